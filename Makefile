@@ -1,0 +1,50 @@
+# Triton BLS pipelines — local CPU runtime (tritonserver 2.51 from the nvidia-pytriton wheel).
+# `make help` lists the targets. Every target installs what it needs on first use.
+
+PYTHON           ?= python3
+VENV             ?= .venv
+MODEL_REPOSITORY ?= model_repository
+MODEL_SIZE       ?= small
+HTTP_PORT        ?= 8000
+GRPC_PORT        ?= 8001
+METRICS_PORT     ?= 8002
+PYTEST_ARGS      ?=
+
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+.DEFAULT_GOAL := help
+.PHONY: help venv models configs serve test test-unit clean
+
+help: ## Show this help
+	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
+	@echo "  Variables: HTTP_PORT GRPC_PORT METRICS_PORT MODEL_REPOSITORY MODEL_SIZE=small|full PYTEST_ARGS"
+
+$(STAMP): pyproject.toml scripts/install_system_deps.sh scripts/install_perf_analyzer.py
+	scripts/install_system_deps.sh $(PYTHON)
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[local]'
+	$(PY) scripts/install_perf_analyzer.py --venv $(VENV)
+	touch $@
+
+venv: $(STAMP) ## Create .venv and install everything (pip + Debian packages + perf_analyzer)
+
+models: $(STAMP) ## Export the ONNX models into $(MODEL_REPOSITORY) (skipped when up to date)
+	$(PY) -m modelgen.export --repository $(MODEL_REPOSITORY) --size $(MODEL_SIZE)
+
+configs: $(STAMP) ## Regenerate every config.pbtxt from bls_models/spec.py
+	$(PY) -m modelgen.configs --repository $(MODEL_REPOSITORY)
+
+serve: models ## Serve $(MODEL_REPOSITORY) on 127.0.0.1 in the foreground (Ctrl-C stops it)
+	$(PY) -m tritonlocal serve --model-repository $(MODEL_REPOSITORY) \
+	    --http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT)
+
+test: models ## Run the whole test suite (unit + live server) — what CI runs
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+test-unit: $(STAMP) ## Only the tests that need no server
+	$(PY) -m pytest -m "not live" $(PYTEST_ARGS)
+
+clean: ## Remove generated models, logs and caches (keeps .venv)
+	rm -rf .triton .pytest_cache $(MODEL_REPOSITORY)/*/[0-9]*/model.onnx $(MODEL_REPOSITORY)/.export-stamp.json
+	find . -name __pycache__ -not -path './$(VENV)/*' -prune -exec rm -rf {} +

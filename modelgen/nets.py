@@ -1,0 +1,220 @@
+"""The project's own PyTorch networks behind the ONNX models.
+
+Weights are random but deterministic (a fixed seed per model): the models exist to exercise a
+real serving pipeline, not to classify real images. Two sizes:
+
+- ``small`` (default): one pipeline request (preprocess + classifier + embedder) costs about
+  7 ms of single-threaded CPU on the 2-core dev machine, so tests and benchmarks finish quickly;
+- ``full``: ResNet-50 depth and width for the classifier (bottleneck blocks, [3, 4, 6, 3],
+  64..2048 channels) and a MobileNetV2-sized embedder — the cost of real models, for GPU runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from bls_models import spec as S
+
+SIZES = ("small", "full")
+
+
+@dataclass(frozen=True)
+class ResNetShape:
+    widths: tuple[int, ...]  # output channels of each stage (before bottleneck expansion)
+    depths: tuple[int, ...]  # blocks per stage
+    bottleneck: bool
+    stem: int
+
+
+@dataclass(frozen=True)
+class MobileShape:
+    # (expansion, out_channels, blocks, stride) per stage, MobileNetV2-style
+    stages: tuple[tuple[int, int, int, int], ...]
+    stem: int
+    head: int
+
+
+RESNET = {
+    # ResNet-18 layout at half width: ~4.5 ms for one image on one core of the 2-core dev machine.
+    "small": ResNetShape(widths=(32, 64, 128, 256), depths=(2, 2, 2, 2), bottleneck=False, stem=32),
+    "full": ResNetShape(widths=(64, 128, 256, 512), depths=(3, 4, 6, 3), bottleneck=True, stem=64),
+}
+MOBILE = {
+    # ~2.3 ms for one image on one core of the dev machine.
+    "small": MobileShape(stages=((4, 32, 2, 2), (4, 64, 2, 2), (4, 128, 2, 2), (4, 256, 1, 2)),
+                         stem=24, head=512),
+    "full": MobileShape(stages=((1, 16, 1, 1), (6, 24, 2, 2), (6, 32, 3, 2), (6, 64, 4, 2),
+                                (6, 96, 3, 1), (6, 160, 3, 2), (6, 320, 1, 1)),
+                        stem=32, head=1280),
+}
+# small: ~10 ms per sequence on one core (the seed case measured 30-50 ms locally on its model).
+TAGGER_HIDDEN = {"small": 96, "full": 256}
+
+
+class Preprocess(nn.Module):
+    """UINT8 [B,H,W,3] -> FP32 [B,3,H,W] = (image / 255 - mean) / std."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("mean", torch.tensor(S.IMAGENET_MEAN).view(1, 3, 1, 1))
+        self.register_buffer("std", torch.tensor(S.IMAGENET_STD).view(1, 3, 1, 1))
+
+    def forward(self, image: torch.Tensor) -> torch.Tensor:
+        pixels = image.to(torch.float32).permute(0, 3, 1, 2) / 255.0
+        return (pixels - self.mean) / self.std
+
+
+def _conv_bn(cin: int, cout: int, kernel: int, stride: int = 1, groups: int = 1) -> nn.Sequential:
+    return nn.Sequential(
+        nn.Conv2d(cin, cout, kernel, stride, kernel // 2, groups=groups, bias=False),
+        nn.BatchNorm2d(cout),
+    )
+
+
+class BasicBlock(nn.Module):
+    expansion = 1
+
+    def __init__(self, cin: int, width: int, stride: int) -> None:
+        super().__init__()
+        self.conv1 = _conv_bn(cin, width, 3, stride)
+        self.conv2 = _conv_bn(width, width, 3)
+        self.shortcut = _conv_bn(cin, width, 1, stride) if stride != 1 or cin != width else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        identity = x if self.shortcut is None else self.shortcut(x)
+        return F.relu(self.conv2(F.relu(self.conv1(x))) + identity)
+
+
+class Bottleneck(nn.Module):
+    expansion = 4
+
+    def __init__(self, cin: int, width: int, stride: int) -> None:
+        super().__init__()
+        cout = width * self.expansion
+        self.conv1 = _conv_bn(cin, width, 1)
+        self.conv2 = _conv_bn(width, width, 3, stride)
+        self.conv3 = _conv_bn(width, cout, 1)
+        self.shortcut = _conv_bn(cin, cout, 1, stride) if stride != 1 or cin != cout else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        identity = x if self.shortcut is None else self.shortcut(x)
+        out = F.relu(self.conv2(F.relu(self.conv1(x))))
+        return F.relu(self.conv3(out) + identity)
+
+
+class Classifier(nn.Module):
+    """ResNet: stem, four residual stages, global average pool, linear head -> LOGITS."""
+
+    def __init__(self, shape: ResNetShape, num_classes: int = S.NUM_CLASSES) -> None:
+        super().__init__()
+        block = Bottleneck if shape.bottleneck else BasicBlock
+        self.stem = nn.Sequential(_conv_bn(3, shape.stem, 7, 2), nn.ReLU(), nn.MaxPool2d(3, 2, 1))
+        layers, cin = [], shape.stem
+        for stage, (width, depth) in enumerate(zip(shape.widths, shape.depths)):
+            for i in range(depth):
+                layers.append(block(cin, width, 2 if (i == 0 and stage > 0) else 1))
+                cin = width * block.expansion
+        self.stages = nn.Sequential(*layers)
+        self.head = nn.Linear(cin, num_classes)
+
+    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+        features = self.stages(self.stem(pixels)).mean(dim=(2, 3))
+        return self.head(features)
+
+
+class InvertedResidual(nn.Module):
+    def __init__(self, cin: int, cout: int, expansion: int, stride: int) -> None:
+        super().__init__()
+        hidden = cin * expansion
+        self.body = nn.Sequential(
+            _conv_bn(cin, hidden, 1), nn.ReLU6(),
+            _conv_bn(hidden, hidden, 3, stride, groups=hidden), nn.ReLU6(),
+            _conv_bn(hidden, cout, 1),
+        )
+        self.residual = stride == 1 and cin == cout
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.body(x)
+        return x + out if self.residual else out
+
+
+class Embedder(nn.Module):
+    """MobileNetV2-style CNN -> 256-d embedding, L2-normalised inside the graph."""
+
+    def __init__(self, shape: MobileShape, dim: int = S.EMBEDDING_DIM) -> None:
+        super().__init__()
+        layers: list[nn.Module] = [_conv_bn(3, shape.stem, 3, 2), nn.ReLU6()]
+        cin = shape.stem
+        for expansion, cout, blocks, stride in shape.stages:
+            for i in range(blocks):
+                layers.append(InvertedResidual(cin, cout, expansion, stride if i == 0 else 1))
+                cin = cout
+        layers += [_conv_bn(cin, shape.head, 1), nn.ReLU6()]
+        self.features = nn.Sequential(*layers)
+        self.project = nn.Linear(shape.head, dim)
+
+    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+        embedding = self.project(self.features(pixels).mean(dim=(2, 3)))
+        return F.normalize(embedding, p=2.0, dim=1, eps=1e-12)
+
+
+class Tagger(nn.Module):
+    """Token embedding, a 1-D convolution and a per-token head over the whole vocabulary."""
+
+    def __init__(self, hidden: int, vocab: int = S.TAGGER_VOCAB) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, hidden)
+        self.mix = nn.Conv1d(hidden, hidden, kernel_size=3, padding=1)
+        self.head = nn.Linear(hidden, vocab)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)                                   # [B, T, H]
+        x = x + F.gelu(self.mix(x.transpose(1, 2)).transpose(1, 2))
+        return self.head(x)                                      # [B, T, vocab]
+
+
+# A distinct, fixed seed per model: every export of a model is bit-identical.
+SEEDS = {"preprocess": 0, "classifier": 1, "embedder": 2, "tagger": 3}
+
+
+def build(name: str, size: str = "small") -> nn.Module:
+    """The network behind ONNX model ``name``, with deterministic weights, in eval mode."""
+    if size not in SIZES:
+        raise ValueError(f"unknown model size '{size}' (choose from {', '.join(SIZES)})")
+    torch.manual_seed(SEEDS[name])
+    factories = {
+        "preprocess": Preprocess,
+        "classifier": lambda: Classifier(RESNET[size]),
+        "embedder": lambda: Embedder(MOBILE[size]),
+        "tagger": lambda: Tagger(TAGGER_HIDDEN[size]),
+    }
+    net = factories[name]()
+    _randomise_batchnorm(net)
+    return net.eval()
+
+
+def _randomise_batchnorm(net: nn.Module) -> None:
+    """Give BatchNorm layers non-trivial statistics so the folded graph is actually exercised."""
+    for module in net.modules():
+        if isinstance(module, nn.BatchNorm2d):
+            with torch.no_grad():
+                module.running_mean.uniform_(-0.1, 0.1)
+                module.running_var.uniform_(0.5, 1.5)
+                module.weight.uniform_(0.5, 1.0)
+                module.bias.uniform_(-0.1, 0.1)
+
+
+def example_input(model: S.ModelSpec, batch: int = 2) -> torch.Tensor:
+    """A deterministic example batch for ``model``'s single input."""
+    (tensor,) = model.inputs
+    generator = torch.Generator().manual_seed(1234)
+    shape = (batch, *tensor.dims)
+    if tensor.dtype == "TYPE_UINT8":
+        return torch.randint(0, 256, shape, dtype=torch.uint8, generator=generator)
+    if tensor.dtype == "TYPE_INT64":
+        return torch.randint(0, S.TAGGER_VOCAB, shape, dtype=torch.int64, generator=generator)
+    return torch.randn(shape, generator=generator)

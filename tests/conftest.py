@@ -1,0 +1,66 @@
+"""Shared fixtures. Live tests start one real tritonserver per session through the same launcher
+that `make serve` uses, on free ports, with its log in the pytest temp directory."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from bls_models import spec as S
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL_REPOSITORY = ROOT / "model_repository"
+
+
+@pytest.fixture(scope="session")
+def repository() -> Path:
+    """The project's model repository with its ONNX models exported (a no-op when current)."""
+    from modelgen import export
+
+    missing = [m.name for m in S.ONNX_MODELS if not export.onnx_path(MODEL_REPOSITORY, m).exists()]
+    if missing:
+        export.export_all(MODEL_REPOSITORY, size="small")
+    return MODEL_REPOSITORY
+
+
+@pytest.fixture(scope="session")
+def server(repository, tmp_path_factory):
+    from tritonlocal import ServerOptions, TritonServer
+    from tritonlocal.runtime import free_ports
+
+    http, grpc, metrics = free_ports(3)
+    log = tmp_path_factory.mktemp("tritonserver") / "tritonserver.log"
+    options = ServerOptions(repository, http_port=http, grpc_port=grpc, metrics_port=metrics,
+                            log_file=log)
+    server = TritonServer(options)
+    server.start()
+    yield server
+    code = server.stop()
+    assert code == 0, f"tritonserver exited with {code}; log {log}:\n{server.log_tail()}"
+
+
+@pytest.fixture(scope="session")
+def http_client(server):
+    import tritonclient.http as httpclient
+
+    client = httpclient.InferenceServerClient(server.http_url, concurrency=8,
+                                              connection_timeout=60, network_timeout=120)
+    yield client
+    client.close()
+
+
+@pytest.fixture(scope="session")
+def grpc_client(server):
+    import tritonclient.grpc as grpcclient
+
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    yield client
+    client.close()
+
+
+def pytest_collection_modifyitems(items):
+    """Everything under tests/live talks to a real server."""
+    for item in items:
+        if "/live/" in str(item.fspath):
+            item.add_marker(pytest.mark.live)

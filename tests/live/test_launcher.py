@@ -1,0 +1,210 @@
+"""The launcher against real tritonserver processes: its error paths, clean shutdown and the
+local onnxruntime backend's batching (with a test repository built from the spec)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+
+from bls_models import spec as S
+from modelgen import configs, export
+from tritonlocal import LauncherError, ServerOptions, TritonServer
+from tritonlocal.runtime import free_ports
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def options(repository: Path, tmp_path: Path, **kw) -> ServerOptions:
+    http, grpc, metrics = free_ports(3)
+    return ServerOptions(repository, http_port=http, grpc_port=grpc, metrics_port=metrics,
+                         log_file=tmp_path / "server.log", **kw)
+
+
+def make_repository(target: Path, source: Path, *models: S.ModelSpec, onnx_from=None) -> Path:
+    """A repository holding ``models`` (configs rendered from their specs, ONNX files copied)."""
+    onnx_from = onnx_from or {}
+    for model in models:
+        (target / model.name / "1").mkdir(parents=True)
+        (target / model.name / "config.pbtxt").write_text(configs.render(model))
+        donor = onnx_from.get(model.name, model)
+        if donor is not None:
+            shutil.copy(export.onnx_path(source, donor), export.onnx_path(target, model))
+    return target
+
+
+def group_alive(pid: int) -> bool:
+    try:
+        os.killpg(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+def test_a_model_whose_onnx_does_not_match_its_config_names_model_and_tensors(repository, tmp_path):
+    # classifier's config over embedder's ONNX file: output EMBEDDING instead of LOGITS.
+    repo = make_repository(tmp_path / "repo", repository, S.CLASSIFIER,
+                           onnx_from={"classifier": S.EMBEDDER})
+    started = time.monotonic()
+    with pytest.raises(LauncherError) as failure:
+        TritonServer(options(repo, tmp_path)).start()
+    message = str(failure.value)
+    assert "failed to load" in message and "classifier" in message
+    assert "'LOGITS'" in message and "EMBEDDING" in message
+    assert "log" in message and "server.log" in message  # the log tail is attached
+    assert time.monotonic() - started < 60
+
+
+def test_a_missing_onnx_file_says_to_run_make_models(repository, tmp_path):
+    repo = make_repository(tmp_path / "repo", repository, S.PREPROCESS,
+                           onnx_from={"preprocess": None})
+    with pytest.raises(LauncherError, match=r"preprocess.*does not exist \(run `make models`\)"):
+        TritonServer(options(repo, tmp_path)).start()
+
+
+def test_a_port_in_use_fails_before_starting(server, repository, tmp_path):
+    opts = options(repository, tmp_path)
+    opts.http_port = server.options.http_port  # held by the session's live server
+    launcher = TritonServer(opts)
+    with pytest.raises(LauncherError, match=rf"http port {opts.http_port} .* already in use"):
+        launcher.start()
+    assert launcher.process is None
+
+
+def test_not_ready_in_time_is_reported_and_the_server_is_stopped(repository, tmp_path):
+    launcher = TritonServer(options(repository, tmp_path, ready_timeout=0.0))
+    with pytest.raises(LauncherError, match=r"not ready within 0 s"):
+        launcher.start()
+    assert launcher.process is None and not launcher.is_running()
+
+
+def test_stop_takes_every_stub_with_it(repository, tmp_path):
+    repo = make_repository(tmp_path / "repo", repository, S.PREPROCESS)
+    with TritonServer(options(repo, tmp_path)) as launcher:
+        pid = launcher.process.pid
+        stubs = subprocess.run(["pgrep", "-g", str(pid), "-f", "triton_python_backend_stub"],
+                               capture_output=True, text=True).stdout.split()
+        assert len(stubs) == S.PREPROCESS.instance_count
+    assert not group_alive(pid), "processes of the server's group survived stop()"
+
+
+def test_the_server_dies_with_its_launcher(repository, tmp_path):
+    repo = make_repository(tmp_path / "repo", repository, S.PREPROCESS)
+    http, grpc, metrics = free_ports(3)
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "tritonlocal", "serve", "--quiet", "--model-repository", str(repo),
+         "--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics),
+         "--log-file", str(tmp_path / "server.log")],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        for line in launcher.stdout:
+            if "is ready" in line:
+                break
+        server_pid = int(subprocess.run(["pgrep", "-P", str(launcher.pid), "tritonserver"],
+                                        capture_output=True, text=True).stdout.split()[0])
+        launcher.kill()  # SIGKILL: no chance to clean up
+        launcher.wait()
+        deadline = time.monotonic() + 30
+        while group_alive(server_pid) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not group_alive(server_pid), "server or stubs outlived a killed launcher"
+    finally:
+        launcher.kill()
+
+
+def test_ctrl_c_stops_serve_cleanly(repository, tmp_path):
+    repo = make_repository(tmp_path / "repo", repository, S.PREPROCESS)
+    http, grpc, metrics = free_ports(3)
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "tritonlocal", "serve", "--quiet", "--model-repository", str(repo),
+         "--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics),
+         "--log-file", str(tmp_path / "server.log")],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = []
+    for line in launcher.stdout:
+        lines.append(line)
+        if "Ctrl-C" in line:
+            break
+    banner = "".join(lines)
+    assert f"http://127.0.0.1:{http}" in banner and f"127.0.0.1:{grpc}" in banner
+    assert f"127.0.0.1:{metrics}/metrics" in banner and "curl" in banner
+    server_pid = int(subprocess.run(["pgrep", "-P", str(launcher.pid), "tritonserver"],
+                                    capture_output=True, text=True).stdout.split()[0])
+    launcher.send_signal(signal.SIGINT)
+    rest, _ = launcher.communicate(timeout=60)
+    assert launcher.returncode == 0, rest
+    assert "tritonserver stopped (exit code 0)" in rest
+    assert not group_alive(server_pid)
+
+
+@pytest.fixture(scope="module")
+def batching_server(repository, tmp_path_factory):
+    """Classifier and tagger with one instance and a long batching window, so requests sent
+    together are deterministically executed together."""
+    tmp = tmp_path_factory.mktemp("batching")
+    slow_window = S.BatchingSpec(preferred_batch_sizes=(4,), max_queue_delay_us=2_000_000)
+    models = [dataclasses.replace(m, batching=slow_window, instance_count=1)
+              for m in (S.CLASSIFIER, S.TAGGER)]
+    repo = make_repository(tmp / "repo", repository, *models)
+    with TritonServer(options(repo, tmp)) as launcher:
+        yield launcher
+
+
+def send_together(url: str, model: str, name: str, batches: list[np.ndarray], dtype: str):
+    client = grpcclient.InferenceServerClient(url)
+    results = []
+    try:
+        for data in batches:
+            infer_input = grpcclient.InferInput(name, list(data.shape), dtype)
+            infer_input.set_data_from_numpy(data)
+            client.async_infer(model, [infer_input],
+                               callback=lambda result, error: results.append((result, error)))
+        deadline = time.monotonic() + 60
+        while len(results) < len(batches) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return results
+    finally:
+        client.close()
+
+
+def execution_stats(url: str, model: str) -> tuple[int, int]:
+    client = grpcclient.InferenceServerClient(url)
+    try:
+        stats = client.get_inference_statistics(model, as_json=True)["model_stats"][0]
+        return int(stats.get("inference_count", 0)), int(stats.get("execution_count", 0))
+    finally:
+        client.close()
+
+
+def test_requests_sent_together_run_as_one_batch(batching_server):
+    rng = np.random.default_rng(3)
+    batches = [rng.standard_normal((1, 3, 224, 224), dtype=np.float32) for _ in range(4)]
+    results = send_together(batching_server.grpc_url, "classifier", "PIXELS", batches, "FP32")
+    assert len(results) == 4 and all(error is None for _, error in results)
+    inferences, executions = execution_stats(batching_server.grpc_url, "classifier")
+    assert (inferences, executions) == (4, 1), "4 requests should have run as one ONNX batch"
+
+
+def test_one_bad_request_fails_alone_not_its_batch(batching_server):
+    rng = np.random.default_rng(4)
+    batches = [rng.integers(0, S.TAGGER_VOCAB, (1, S.TAGGER_SEQ_LEN), dtype=np.int64)
+               for _ in range(4)]
+    batches[2][0, 7] = S.TAGGER_VOCAB + 5  # out of the embedding table
+    results = send_together(batching_server.grpc_url, "tagger", "TOKENS", batches, "INT64")
+    assert len(results) == 4
+    errors = [error for _, error in results if error is not None]
+    assert len(errors) == 1, [str(e) for e in errors]
+    assert errors[0].status() == "StatusCode.INVALID_ARGUMENT"
+    assert "onnxruntime" in errors[0].message()
+    for result, error in results:
+        if error is None:
+            assert result.as_numpy("LOGITS").shape == (1, S.TAGGER_SEQ_LEN, S.TAGGER_VOCAB)

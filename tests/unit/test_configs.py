@@ -1,0 +1,81 @@
+"""Every committed config.pbtxt is what the spec generates, parses with Triton's own proto, and
+agrees with the ONNX file it serves."""
+
+from __future__ import annotations
+
+import onnx
+import pytest
+from tritonclient.grpc import model_config_pb2
+
+from bls_models import spec as S
+from modelgen import configs, export
+
+MODELS = [m.name for m in S.ALL_MODELS]
+ONNX_TYPES = {
+    "TYPE_UINT8": onnx.TensorProto.UINT8,
+    "TYPE_INT64": onnx.TensorProto.INT64,
+    "TYPE_FP32": onnx.TensorProto.FLOAT,
+}
+
+
+def committed(repository, name) -> model_config_pb2.ModelConfig:
+    return configs.parse_pbtxt((repository / name / "config.pbtxt").read_text())
+
+
+def test_every_model_directory_has_a_spec(repository):
+    on_disk = {p.parent.name for p in repository.glob("*/config.pbtxt")}
+    assert on_disk == set(MODELS)
+
+
+def test_committed_configs_match_the_spec(repository):
+    assert configs.write_all(repository, check=True) == [], (
+        "config.pbtxt differs from bls_models/spec.py: run `make configs`")
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_config_parses_and_is_production_ready(repository, name):
+    config = committed(repository, name)
+    assert config.name == name
+    assert config.max_batch_size > 0
+    batching = config.dynamic_batching
+    assert batching.max_queue_delay_microseconds <= 5_000, "a long delay is paid at low load"
+    assert all(0 < b <= config.max_batch_size for b in batching.preferred_batch_size)
+    policy = batching.default_queue_policy
+    # BLS timeouts only fire in a queue that allows overriding a non-zero default timeout.
+    assert policy.allow_timeout_override and policy.default_timeout_microseconds > 0
+    assert 0 < policy.max_queue_size <= 4096, "queues must be bounded"
+    for group in config.instance_group:
+        # KIND_AUTO (unset) so the same file runs on the GPU in the container and on CPU here.
+        assert group.kind == model_config_pb2.ModelInstanceGroup.KIND_AUTO
+    # A single instance with a queue policy stalls in ~500 ms steps under bursts.
+    assert sum(g.count for g in config.instance_group) >= 2
+
+
+@pytest.mark.parametrize("model", S.ONNX_MODELS, ids=lambda m: m.name)
+def test_config_tensors_match_the_onnx_file(repository, model):
+    config = committed(repository, model.name)
+    graph = onnx.load(str(export.onnx_path(repository, model))).graph
+    for declared, actual in ((config.input, graph.input), (config.output, graph.output)):
+        onnx_tensors = {t.name: t.type.tensor_type for t in actual}
+        assert {t.name for t in declared} == set(onnx_tensors)
+        for tensor in declared:
+            onnx_type = onnx_tensors[tensor.name]
+            dtype = model_config_pb2.DataType.Name(tensor.data_type)
+            assert onnx_type.elem_type == ONNX_TYPES[dtype], tensor.name
+            dims = [d.dim_value if d.HasField("dim_value") else d.dim_param
+                    for d in onnx_type.shape.dim]
+            assert isinstance(dims[0], str) and dims[0], f"{tensor.name}: batch axis not dynamic"
+            assert dims[1:] == list(tensor.dims), tensor.name
+
+
+def test_generated_pbtxt_roundtrips_through_the_proto():
+    for model in S.ALL_MODELS:
+        text = configs.render(model)
+        assert configs.parse_pbtxt(text) == configs.to_proto(configs.config_dict(model))
+
+
+def test_generator_rejects_a_field_triton_does_not_know():
+    bad = configs.config_dict(S.CLASSIFIER)
+    bad["dynamic_batching"]["max_queue_delay_ms"] = 1
+    with pytest.raises(Exception, match="max_queue_delay_ms"):
+        configs.to_proto(bad)

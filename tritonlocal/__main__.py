@@ -1,0 +1,111 @@
+"""``python -m tritonlocal serve``: serve a model repository in the foreground (``make serve``).
+
+Ctrl-C (SIGINT) or SIGTERM stops the server cleanly: SIGINT to tritonserver, a grace period,
+then SIGKILL for anything left of its process group, stubs included.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import threading
+from pathlib import Path
+
+from tritonlocal.launcher import ServerOptions, TritonServer, tail_to
+from tritonlocal.runtime import LauncherError
+
+EXAMPLE_MODEL = "classifier"
+
+
+def example_request(server: TritonServer) -> str:
+    """A request to paste into a shell: one all-zero image through `classifier`, over HTTP/JSON."""
+    body = ("import json; print(json.dumps({'inputs': [{'name': 'PIXELS', 'shape': [1, 3, 224, 224],"
+            " 'datatype': 'FP32', 'data': [0.0] * 150528}]}))")
+    return (f'python3 -c "{body}" \\\n'
+            f"  | curl -s -X POST http://{server.http_url}/v2/models/{EXAMPLE_MODEL}/infer \\\n"
+            "      -H 'Content-Type: application/json' --data-binary @- | head -c 400; echo")
+
+
+def banner(server: TritonServer) -> str:
+    return "\n".join([
+        "",
+        f"tritonserver {server.metadata().get('version', '?')} is ready "
+        f"(repository: {server.options.model_repository})",
+        f"  HTTP     http://{server.http_url}    (health: /v2/health/ready, models: "
+        "POST /v2/repository/index)",
+        f"  gRPC     {server.grpc_url}",
+        f"  metrics  {server.metrics_url}",
+        f"  log      {server.log_file}",
+        "",
+        "Example request (paste into another shell):",
+        example_request(server),
+        "",
+        "Press Ctrl-C to stop.",
+        "",
+    ])
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
+def serve(args: argparse.Namespace) -> int:
+    options = ServerOptions(
+        model_repository=Path(args.model_repository), host=args.host,
+        http_port=args.http_port, grpc_port=args.grpc_port, metrics_port=args.metrics_port,
+        log_file=Path(args.log_file or f".triton/tritonserver-{args.http_port}.log"),
+        ready_timeout=args.ready_timeout, log_verbose=args.log_verbose,
+        extra_args=args.tritonserver_args,
+    )
+    server = TritonServer(options)
+    stop = threading.Event()
+    # SIGTERM (e.g. from a process manager) takes the same clean path as Ctrl-C.
+    signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        print(f"starting tritonserver on {args.host} (HTTP {args.http_port}, gRPC "
+              f"{args.grpc_port}, metrics {args.metrics_port}) ...", flush=True)
+        server.start()
+        if not args.quiet:
+            tail_to(sys.stdout, server.log_file, stop)
+        print(banner(server), flush=True)
+        while server.is_running():
+            stop.wait(1.0)
+        print(f"tritonserver exited unexpectedly; log {server.log_file}:\n{server.log_tail()}",
+              file=sys.stderr)
+        return 1
+    except LauncherError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("\nstopping tritonserver ...", flush=True)
+        return 0
+    finally:
+        stop.set()
+        code = server.stop()
+        if code is not None:
+            print(f"tritonserver stopped (exit code {code})", flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tritonlocal", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("serve", help="serve a model repository in the foreground")
+    p.add_argument("--model-repository", default="model_repository")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to bind all endpoints to (default 127.0.0.1: local only)")
+    p.add_argument("--http-port", type=int, default=8000)
+    p.add_argument("--grpc-port", type=int, default=8001)
+    p.add_argument("--metrics-port", type=int, default=8002)
+    p.add_argument("--log-file", help="server log (default: .triton/tritonserver-<http-port>.log)")
+    p.add_argument("--log-verbose", type=int, default=0)
+    p.add_argument("--ready-timeout", type=float, default=180.0)
+    p.add_argument("--quiet", action="store_true", help="do not echo the server log")
+    p.add_argument("tritonserver_args", nargs="*",
+                   help="extra tritonserver flags, after `--` (e.g. -- --log-verbose=1)")
+    args = parser.parse_args(argv)
+    return serve(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

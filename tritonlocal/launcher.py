@@ -1,0 +1,259 @@
+"""Start, watch and stop a local tritonserver: the one launcher ``make serve`` and the tests use.
+
+``TritonServer`` checks everything that commonly goes wrong before starting (ports, the stub's
+shared libraries, numpy < 2), assembles a backend directory (python backend, the stub for the
+server's Python, the project's local ``onnxruntime`` backend), starts the server bound to
+127.0.0.1, waits for ``/v2/health/ready`` and stops it with SIGINT, a grace period, then SIGKILL
+for its whole process group — the server and every python-backend stub it started. The server
+is started with ``PR_SET_PDEATHSIG`` so it dies when the launcher does, and its stubs exit when
+the server is gone.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tritonlocal import runtime
+from tritonlocal.runtime import LauncherError
+
+LOCAL_BACKENDS = Path(__file__).with_name("backends")
+_PR_SET_PDEATHSIG = 1
+
+
+@dataclass
+class ServerOptions:
+    model_repository: Path
+    host: str = "127.0.0.1"
+    http_port: int = 8000
+    grpc_port: int = 8001
+    metrics_port: int = 8002
+    log_file: Path | None = None       # default: a file in the run directory, kept after stop
+    ready_timeout: float = 180.0       # seconds to wait for /v2/health/ready
+    stop_grace: float = 20.0           # seconds between SIGINT and SIGKILL
+    python: str = field(default_factory=runtime.default_python)
+    log_verbose: int = 0
+    extra_args: list[str] = field(default_factory=list)
+
+
+class TritonServer:
+    """A tritonserver child process. Use as a context manager, or call start()/stop()."""
+
+    def __init__(self, options: ServerOptions) -> None:
+        self.options = options
+        self.process: subprocess.Popen | None = None
+        self._run_dir: Path | None = None
+        self.log_file: Path | None = None
+
+    # -- URLs -----------------------------------------------------------------------------
+    @property
+    def http_url(self) -> str:
+        return f"{self.options.host}:{self.options.http_port}"
+
+    @property
+    def grpc_url(self) -> str:
+        return f"{self.options.host}:{self.options.grpc_port}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://{self.options.host}:{self.options.metrics_port}/metrics"
+
+    # -- lifecycle ------------------------------------------------------------------------
+    def __enter__(self) -> "TritonServer":
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        opts = self.options
+        repository = Path(opts.model_repository).resolve()
+        if not repository.is_dir():
+            raise LauncherError(f"model repository {repository} does not exist")
+        install = runtime.find_installation()
+        env = runtime.server_environment(install, opts.python)
+        python_version, numpy_version = runtime.python_version_of(opts.python)
+        runtime.check_numpy(opts.python, numpy_version)
+        stub = install.stub(python_version)
+        runtime.check_stub_libraries(stub, env)
+        runtime.check_ports_free(opts.host, {"http": opts.http_port, "grpc": opts.grpc_port,
+                                             "metrics": opts.metrics_port})
+
+        self._run_dir = Path(tempfile.mkdtemp(prefix="tritonlocal-"))
+        backends = self._assemble_backends(install, stub, self._run_dir / "backends")
+        self.log_file = Path(opts.log_file) if opts.log_file else self._run_dir / "tritonserver.log"
+        self.log_file.parent.mkdir(parents=True, exist_ok=True)
+        command = [
+            str(install.server),
+            f"--model-repository={repository}",
+            f"--backend-directory={backends}",
+            f"--http-address={opts.host}", f"--http-port={opts.http_port}",
+            f"--grpc-address={opts.host}", f"--grpc-port={opts.grpc_port}",
+            f"--metrics-address={opts.host}", f"--metrics-port={opts.metrics_port}",
+            "--allow-metrics=true", "--allow-gpu-metrics=false", "--allow-cpu-metrics=true",
+            # Configs are complete and committed: load them exactly as written.
+            "--disable-auto-complete-config",
+            "--exit-on-error=true", "--strict-readiness=true",
+            # No GPU locally: skip the pinned host pool the CUDA build would try to allocate.
+            "--pinned-memory-pool-byte-size=0",
+            f"--log-verbose={opts.log_verbose}",
+            *opts.extra_args,
+        ]
+        with open(self.log_file, "ab") as log:
+            log.write(f"# {' '.join(command)}\n".encode())
+            log.flush()
+            self.process = subprocess.Popen(
+                command, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                start_new_session=True,  # own process group: stop() can reach every stub
+                preexec_fn=_die_with_parent,
+            )
+        try:
+            self._wait_ready(repository)
+        except BaseException:
+            self.stop()
+            raise
+
+    def stop(self) -> int | None:
+        """SIGINT, wait up to ``stop_grace``, then SIGKILL the process group. Idempotent."""
+        process, self.process = self.process, None
+        code = None
+        if process is not None:
+            if process.poll() is None:
+                _signal_group(process.pid, signal.SIGINT)
+                try:
+                    process.wait(self.options.stop_grace)
+                except subprocess.TimeoutExpired:
+                    pass
+            # Whatever is left of the group (a server past its grace period, orphaned stubs).
+            _signal_group(process.pid, signal.SIGKILL)
+            code = process.wait()
+            _wait_group_gone(process.pid, timeout=10.0)
+        if self._run_dir is not None:
+            backends = self._run_dir / "backends"
+            shutil.rmtree(backends, ignore_errors=True)
+            if self.log_file is not None and self.log_file.parent != self._run_dir:
+                shutil.rmtree(self._run_dir, ignore_errors=True)
+        return code
+
+    def is_running(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def log_tail(self, lines: int = 40) -> str:
+        if self.log_file is None or not self.log_file.exists():
+            return ""
+        return "\n".join(self.log_file.read_text(errors="replace").splitlines()[-lines:])
+
+    def metadata(self) -> dict:
+        with urllib.request.urlopen(f"http://{self.http_url}/v2", timeout=5) as response:
+            return json.load(response)
+
+    # -- internals ------------------------------------------------------------------------
+    def _assemble_backends(self, install: runtime.Installation, stub: Path, target: Path) -> Path:
+        python_dir = target / "python"
+        python_dir.mkdir(parents=True)
+        for item in install.python_backend.iterdir():
+            if item.is_file():
+                shutil.copy2(item, python_dir / item.name)
+        shutil.copy2(stub, python_dir / stub.name)
+        # Python-based backends: <backend-dir>/<name>/model.py, loaded through libtriton_python.so.
+        for backend in LOCAL_BACKENDS.iterdir():
+            if (backend / "model.py").exists():
+                (target / backend.name).mkdir()
+                shutil.copy2(backend / "model.py", target / backend.name / "model.py")
+        return target
+
+    def _wait_ready(self, repository: Path) -> None:
+        deadline = time.monotonic() + self.options.ready_timeout
+        url = f"http://{self.http_url}/v2/health/ready"
+        while True:
+            code = self.process.poll()
+            if code is not None:
+                raise LauncherError(self._startup_failure(code, repository))
+            try:
+                with urllib.request.urlopen(url, timeout=2) as response:
+                    if response.status == 200:
+                        return
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            if time.monotonic() > deadline:
+                raise LauncherError(
+                    f"tritonserver was not ready within {self.options.ready_timeout:.0f} s "
+                    f"({url}); log {self.log_file}:\n{self.log_tail()}")
+            time.sleep(0.2)
+
+    def _startup_failure(self, code: int, repository: Path) -> str:
+        failed = failed_models(self.log_tail(400))
+        if failed:
+            detail = "\n".join(f"  - {name}: {reason}" for name, reason in failed.items())
+            head = f"tritonserver exited ({code}): model(s) failed to load from {repository}:\n{detail}"
+        else:
+            head = f"tritonserver exited with code {code} before it was ready"
+        return f"{head}\nlog {self.log_file} (last lines):\n{self.log_tail()}"
+
+
+def failed_models(log: str) -> dict[str, str]:
+    """Model name -> reason, from Triton's "failed to load" lines and its model status table."""
+    failed: dict[str, str] = {}
+    for name, reason in re.findall(r"failed to load '([^']+)' version \d+: (.*)", log):
+        failed.setdefault(name, reason.strip())
+    for name, reason in re.findall(r"^\|\s*(\S+)\s*\|\s*\d+\s*\|\s*UNAVAILABLE: (.*?)\s*\|\s*$",
+                                   log, flags=re.MULTILINE):
+        failed.setdefault(name, reason.strip())
+    return failed
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: get SIGKILL when the launcher process dies."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except OSError:
+        pass
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _wait_group_gone(pgid: int, timeout: float) -> None:
+    """Wait until no process of the group is left (stubs exit shortly after SIGKILL)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.05)
+
+
+def tail_to(stream, path: Path, stop: threading.Event) -> threading.Thread:
+    """Copy lines appended to ``path`` to ``stream`` until ``stop`` is set (foreground mode)."""
+
+    def follow() -> None:
+        with open(path, "r", errors="replace") as handle:
+            while not stop.is_set():
+                line = handle.readline()
+                if line:
+                    stream.write(line)
+                    stream.flush()
+                else:
+                    time.sleep(0.1)
+
+    thread = threading.Thread(target=follow, name="tritonserver-log", daemon=True)
+    thread.start()
+    return thread
