@@ -97,14 +97,20 @@ def test_stop_takes_every_stub_with_it(repository, tmp_path):
     assert not group_alive(pid), "processes of the server's group survived stop()"
 
 
-def test_the_server_dies_with_its_launcher(repository, tmp_path):
+def spawn_serve(repository: Path, tmp_path: Path):
+    """`python -m tritonlocal serve` (what `make serve` runs) over a one-model repository."""
     repo = make_repository(tmp_path / "repo", repository, S.PREPROCESS)
-    http, grpc, metrics = free_ports(3)
+    ports = free_ports(3)
     launcher = subprocess.Popen(
         [sys.executable, "-m", "tritonlocal", "serve", "--quiet", "--model-repository", str(repo),
-         "--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics),
-         "--log-file", str(tmp_path / "server.log")],
+         "--http-port", str(ports[0]), "--grpc-port", str(ports[1]),
+         "--metrics-port", str(ports[2]), "--log-file", str(tmp_path / "server.log")],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return launcher, ports
+
+
+def test_the_server_dies_with_its_launcher(repository, tmp_path):
+    launcher, _ = spawn_serve(repository, tmp_path)
     try:
         for line in launcher.stdout:
             if "is ready" in line:
@@ -122,13 +128,7 @@ def test_the_server_dies_with_its_launcher(repository, tmp_path):
 
 
 def test_ctrl_c_stops_serve_cleanly(repository, tmp_path):
-    repo = make_repository(tmp_path / "repo", repository, S.PREPROCESS)
-    http, grpc, metrics = free_ports(3)
-    launcher = subprocess.Popen(
-        [sys.executable, "-m", "tritonlocal", "serve", "--quiet", "--model-repository", str(repo),
-         "--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics),
-         "--log-file", str(tmp_path / "server.log")],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    launcher, (http, grpc, metrics) = spawn_serve(repository, tmp_path)
     lines = []
     for line in launcher.stdout:
         lines.append(line)
