@@ -50,18 +50,30 @@ class BatchingSpec:
 
 
 @dataclass(frozen=True)
+class EnsembleStep:
+    model: str
+    input_map: dict[str, str]   # the step model's input name -> ensemble tensor name
+    output_map: dict[str, str]  # the step model's output name -> ensemble tensor name
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     name: str
-    backend: str
+    backend: str  # "onnxruntime", "python", or "" for an ensemble (see `platform`)
     inputs: tuple[TensorSpec, ...]
     outputs: tuple[TensorSpec, ...]
     max_batch_size: int
-    batching: BatchingSpec
+    batching: BatchingSpec | None  # None: no dynamic batcher (ensembles)
     # Instances per device (KIND_AUTO: one group of `instance_count` on each GPU in the container,
     # CPU instances locally). At least 2 wherever a queue policy is set: with a single instance
     # the dynamic batcher's policy queue stalled in ~500 ms steps under bursts (measured).
     instance_count: int = 2
+    # Only where a kind is required: the BLS orchestrators are KIND_CPU (they compute nothing on
+    # a GPU, so their instance count must not multiply with the number of GPUs).
+    kind: str | None = None
+    platform: str = ""
     parameters: dict[str, str] = field(default_factory=dict)
+    ensemble_steps: tuple[EnsembleStep, ...] = ()
     description: str = ""
 
     def input(self, name: str) -> TensorSpec:
@@ -126,9 +138,95 @@ TAGGER = ModelSpec(
     description="Token tagger with a 512 x 14041 logits output (the large-output case)",
 )
 
-ONNX_MODELS: tuple[ModelSpec, ...] = (PREPROCESS, CLASSIFIER, EMBEDDER, TAGGER)
+TOP_K = 5
+CLASS_IDS = TensorSpec("CLASS_IDS", "TYPE_INT64", (TOP_K,))
+CLASS_PROBS = TensorSpec("CLASS_PROBS", "TYPE_FP32", (TOP_K,))
+TAGS = TensorSpec("TAGS", "TYPE_INT64", (TAGGER_SEQ_LEN,))
+TAG_PROBS = TensorSpec("TAG_PROBS", "TYPE_FP32", (TAGGER_SEQ_LEN,))
 
-ALL_MODELS: tuple[ModelSpec, ...] = ONNX_MODELS
+POSTPROCESS = ModelSpec(
+    name="postprocess",
+    backend="onnxruntime",
+    inputs=(CLASS_LOGITS,),
+    outputs=(CLASS_IDS, CLASS_PROBS),
+    max_batch_size=16,
+    batching=_CNN_BATCHING,
+    description="softmax + top-5 over class logits (the ensemble's last step)",
+)
+
+ONNX_MODELS: tuple[ModelSpec, ...] = (PREPROCESS, CLASSIFIER, EMBEDDER, TAGGER, POSTPROCESS)
+
+# The BLS orchestrators answer through response senders, so their queue empties as fast as
+# requests arrive; the queue policy still applies the client's timeout to time spent queued and
+# bounds the queue when the orchestrator applies backpressure (max_inflight_requests).
+_BLS_BATCHING = BatchingSpec(preferred_batch_sizes=(), max_queue_delay_us=0,
+                             queue_timeout_us=30_000_000, max_queue_size=4096)
+
+PIPELINE = ModelSpec(
+    name="pipeline",
+    backend="python",
+    inputs=(IMAGE,),
+    outputs=(CLASS_IDS, CLASS_PROBS, EMBEDDING),
+    max_batch_size=16,
+    batching=_BLS_BATCHING,
+    kind="KIND_CPU",
+    parameters={
+        "preprocess_model": "preprocess",
+        "classifier_model": "classifier",
+        "embedder_model": "embedder",
+        "preprocess_timeout_ms": "0",
+        "classifier_timeout_ms": "0",
+        "embedder_timeout_ms": "0",
+        "default_deadline_ms": "10000",
+        "max_inflight_requests": "512",
+        "subrequest_threads": "64",
+    },
+    description="BLS: preprocess, then classifier and embedder concurrently; top-5 + embedding",
+)
+TAG_PIPELINE = ModelSpec(
+    name="tag_pipeline",
+    backend="python",
+    inputs=(TOKENS,),
+    outputs=(TAGS, TAG_PROBS),
+    max_batch_size=4,
+    batching=_BLS_BATCHING,
+    kind="KIND_CPU",
+    parameters={
+        "tagger_model": "tagger",
+        "tagger_timeout_ms": "0",
+        "default_deadline_ms": "10000",
+        "max_inflight_requests": "256",
+        "subrequest_threads": "16",
+    },
+    description="BLS: tagger, reduced on the server to per-token argmax and its probability",
+)
+PIPELINE_ENSEMBLE = ModelSpec(
+    name="pipeline_ensemble",
+    backend="",
+    platform="ensemble",
+    inputs=(IMAGE,),
+    outputs=(CLASS_IDS, CLASS_PROBS, EMBEDDING),
+    max_batch_size=16,
+    batching=None,
+    instance_count=0,
+    ensemble_steps=(
+        EnsembleStep("preprocess", {"IMAGE": "IMAGE"}, {"PIXELS": "pixels"}),
+        EnsembleStep("classifier", {"PIXELS": "pixels"}, {"LOGITS": "logits"}),
+        EnsembleStep("embedder", {"PIXELS": "pixels"}, {"EMBEDDING": "EMBEDDING"}),
+        EnsembleStep("postprocess", {"LOGITS": "logits"},
+                     {"CLASS_IDS": "CLASS_IDS", "CLASS_PROBS": "CLASS_PROBS"}),
+    ),
+    description="Ensemble computing what `pipeline` computes (the benchmark's baseline)",
+)
+
+BLS_MODELS: tuple[ModelSpec, ...] = (PIPELINE, TAG_PIPELINE)
+ALL_MODELS: tuple[ModelSpec, ...] = (*ONNX_MODELS, *BLS_MODELS, PIPELINE_ENSEMBLE)
+
+# Each orchestrator's stages and the sub-model spec whose tensors a stage's model must have.
+STAGES: dict[str, dict[str, ModelSpec]] = {
+    "pipeline": {"preprocess": PREPROCESS, "classifier": CLASSIFIER, "embedder": EMBEDDER},
+    "tag_pipeline": {"tagger": TAGGER},
+}
 
 
 def model(name: str) -> ModelSpec:

@@ -23,14 +23,19 @@ HEADER = "# Generated from bls_models/spec.py by `python -m modelgen.configs`; d
 
 def config_dict(model: S.ModelSpec) -> dict:
     """The model config of ``model`` as a dict in the protobuf JSON mapping."""
-    batching = model.batching
-    config: dict = {
-        "name": model.name,
-        "backend": model.backend,
+    config: dict = {"name": model.name}
+    if model.platform:
+        config["platform"] = model.platform
+    else:
+        config["backend"] = model.backend
+    config.update({
         "max_batch_size": model.max_batch_size,
         "input": [_tensor(t) for t in model.inputs],
         "output": [_tensor(t) for t in model.outputs],
-        "dynamic_batching": {
+    })
+    if model.batching is not None:
+        batching = model.batching
+        config["dynamic_batching"] = {
             "preferred_batch_size": list(batching.preferred_batch_sizes),
             "max_queue_delay_microseconds": batching.max_queue_delay_us,
             "default_queue_policy": {
@@ -39,10 +44,20 @@ def config_dict(model: S.ModelSpec) -> dict:
                 "allow_timeout_override": True,
                 "max_queue_size": batching.max_queue_size,
             },
-        },
-        # No `kind`: KIND_AUTO places instances on every GPU in the container and on the CPU here.
-        "instance_group": [{"count": model.instance_count}],
-    }
+        }
+    if model.instance_count:
+        # No `kind` unless the spec requires one: KIND_AUTO places instances on every GPU in the
+        # container and on the CPU here.
+        group: dict = {"count": model.instance_count}
+        if model.kind:
+            group["kind"] = model.kind
+        config["instance_group"] = [group]
+    if model.ensemble_steps:
+        config["ensemble_scheduling"] = {"step": [
+            {"model_name": step.model, "model_version": -1,
+             "input_map": dict(step.input_map), "output_map": dict(step.output_map)}
+            for step in model.ensemble_steps
+        ]}
     if model.parameters:
         config["parameters"] = {k: {"string_value": v} for k, v in model.parameters.items()}
     return config
@@ -70,6 +85,8 @@ def write_all(repository: Path, check: bool = False) -> list[str]:
     stale = []
     for model in S.ALL_MODELS:
         path = repository / model.name / "config.pbtxt"
+        if model.platform == "ensemble":
+            (repository / model.name / "1").mkdir(parents=True, exist_ok=True)
         wanted = render(model)
         current = path.read_text() if path.exists() else None
         if current == wanted:

@@ -119,11 +119,14 @@ class Classifier(nn.Module):
                 layers.append(block(cin, width, 2 if (i == 0 and stage > 0) else 1))
                 cin = width * block.expansion
         self.stages = nn.Sequential(*layers)
+        self.norm = nn.BatchNorm1d(cin)  # calibrated by build(): see _calibrate
         self.head = nn.Linear(cin, num_classes)
 
+    def features(self, pixels: torch.Tensor) -> torch.Tensor:
+        return self.stages(self.stem(pixels)).mean(dim=(2, 3))
+
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
-        features = self.stages(self.stem(pixels)).mean(dim=(2, 3))
-        return self.head(features)
+        return self.head(self.norm(self.features(pixels)))
 
 
 class InvertedResidual(nn.Module):
@@ -154,11 +157,15 @@ class Embedder(nn.Module):
                 layers.append(InvertedResidual(cin, cout, expansion, stride if i == 0 else 1))
                 cin = cout
         layers += [_conv_bn(cin, shape.head, 1), nn.ReLU6()]
-        self.features = nn.Sequential(*layers)
+        self.body = nn.Sequential(*layers)
+        self.norm = nn.BatchNorm1d(shape.head)  # calibrated by build(): see _calibrate
         self.project = nn.Linear(shape.head, dim)
 
+    def features(self, pixels: torch.Tensor) -> torch.Tensor:
+        return self.body(pixels).mean(dim=(2, 3))
+
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
-        embedding = self.project(self.features(pixels).mean(dim=(2, 3)))
+        embedding = self.project(self.norm(self.features(pixels)))
         return F.normalize(embedding, p=2.0, dim=1, eps=1e-12)
 
 
@@ -177,8 +184,20 @@ class Tagger(nn.Module):
         return self.head(x)                                      # [B, T, vocab]
 
 
+class Postprocess(nn.Module):
+    """Class logits -> top-k class ids and their softmax probabilities, most probable first."""
+
+    def __init__(self, k: int = S.TOP_K) -> None:
+        super().__init__()
+        self.k = k
+
+    def forward(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        probs, ids = torch.topk(torch.softmax(logits, dim=-1), self.k, dim=-1)
+        return ids, probs
+
+
 # A distinct, fixed seed per model: every export of a model is bit-identical.
-SEEDS = {"preprocess": 0, "classifier": 1, "embedder": 2, "tagger": 3}
+SEEDS = {"preprocess": 0, "classifier": 1, "embedder": 2, "tagger": 3, "postprocess": 4}
 
 
 def build(name: str, size: str = "small") -> nn.Module:
@@ -191,15 +210,23 @@ def build(name: str, size: str = "small") -> nn.Module:
         "classifier": lambda: Classifier(RESNET[size]),
         "embedder": lambda: Embedder(MOBILE[size]),
         "tagger": lambda: Tagger(TAGGER_HIDDEN[size]),
+        "postprocess": Postprocess,
     }
     net = factories[name]()
     _randomise_batchnorm(net)
-    return net.eval()
+    net.eval()
+    if isinstance(net, (Classifier, Embedder)):
+        _calibrate(net)
+    return net
 
 
 def _randomise_batchnorm(net: nn.Module) -> None:
-    """Give BatchNorm layers non-trivial statistics so the folded graph is actually exercised."""
+    """Variance-preserving conv weights (He init; PyTorch's default shrinks activations layer by
+    layer until a deep random net outputs a constant), and BatchNorm layers with non-trivial
+    statistics so the folded graph is actually exercised."""
     for module in net.modules():
+        if isinstance(module, nn.Conv2d):
+            nn.init.kaiming_normal_(module.weight, mode="fan_in", nonlinearity="relu")
         if isinstance(module, nn.BatchNorm2d):
             with torch.no_grad():
                 module.running_mean.uniform_(-0.1, 0.1)
@@ -208,13 +235,52 @@ def _randomise_batchnorm(net: nn.Module) -> None:
                 module.bias.uniform_(-0.1, 0.1)
 
 
+def synthetic_images(count: int, seed: int = 0) -> torch.Tensor:
+    """Structured UINT8 images [N,224,224,3]: random 7x7 colour grids scaled up to 224x224.
+
+    Uniform noise is a poor stand-in for images: pooled CNN features of noise are nearly the same
+    for every noise image. Blocky images differ at the scales the networks pool over.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    grid = torch.randint(0, 256, (count, 7, 7, 3), dtype=torch.uint8, generator=generator)
+    scale = S.IMAGE_SIZE // 7
+    return grid.repeat_interleave(scale, dim=1).repeat_interleave(scale, dim=2)
+
+
+def _calibrate(net: nn.Module) -> None:
+    """Data-dependent init of the feature normalisation before the head.
+
+    With random weights, pooled features differ little between images, so every image would get
+    the same top-5. Standardising them with statistics from a fixed batch of synthetic images
+    (and a larger head) gives outputs that depend on the image, like a trained network's. The
+    statistics are computed single-threaded and rounded so exports are bit-identical across
+    machines.
+    """
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with torch.no_grad():
+            features = net.features(Preprocess()(synthetic_images(32, seed=99)))
+            net.norm.running_mean.copy_(torch.round(features.mean(0).double() * 1e4) / 1e4)
+            var = features.var(0).double().clamp_min(1e-4)  # dead units: no noise amplification
+            net.norm.running_var.copy_(torch.round(var * 1e8) / 1e8)
+            net.norm.weight.fill_(1.0)
+            net.norm.bias.zero_()
+            head = net.head if isinstance(net, Classifier) else net.project
+            head.weight.mul_(4.0)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def example_input(model: S.ModelSpec, batch: int = 2) -> torch.Tensor:
-    """A deterministic example batch for ``model``'s single input."""
+    """A deterministic, realistic example batch for ``model``'s single input."""
     (tensor,) = model.inputs
     generator = torch.Generator().manual_seed(1234)
-    shape = (batch, *tensor.dims)
-    if tensor.dtype == "TYPE_UINT8":
-        return torch.randint(0, 256, shape, dtype=torch.uint8, generator=generator)
-    if tensor.dtype == "TYPE_INT64":
-        return torch.randint(0, S.TAGGER_VOCAB, shape, dtype=torch.int64, generator=generator)
-    return torch.randn(shape, generator=generator)
+    if tensor.name == "IMAGE":
+        return synthetic_images(batch, seed=1234)
+    if tensor.name == "PIXELS":
+        return Preprocess()(synthetic_images(batch, seed=1234))
+    if tensor.name == "TOKENS":
+        return torch.randint(0, S.TAGGER_VOCAB, (batch, *tensor.dims), dtype=torch.int64,
+                             generator=generator)
+    return 3.0 * torch.randn((batch, *tensor.dims), generator=generator)

@@ -25,14 +25,23 @@ def repository() -> Path:
 
 
 @pytest.fixture(scope="session")
-def server(repository, tmp_path_factory):
+def fault_repository(repository, tmp_path_factory) -> Path:
+    """Test-only models (fault stand-ins, orchestrator variants wired to them)."""
+    from tests import fault_repository
+
+    return fault_repository.build(tmp_path_factory.mktemp("fault_repository"), repository)
+
+
+@pytest.fixture(scope="session")
+def server(repository, fault_repository, tmp_path_factory):
+    """One server for the live tests: the real repository as committed, plus the fault models."""
     from tritonlocal import ServerOptions, TritonServer
     from tritonlocal.runtime import free_ports
 
     http, grpc, metrics = free_ports(3)
     log = tmp_path_factory.mktemp("tritonserver") / "tritonserver.log"
     options = ServerOptions(repository, http_port=http, grpc_port=grpc, metrics_port=metrics,
-                            log_file=log)
+                            log_file=log, extra_args=[f"--model-repository={fault_repository}"])
     server = TritonServer(options)
     server.start()
     yield server

@@ -25,6 +25,8 @@ def committed(repository, name) -> model_config_pb2.ModelConfig:
 def test_every_model_directory_has_a_spec(repository):
     on_disk = {p.parent.name for p in repository.glob("*/config.pbtxt")}
     assert on_disk == set(MODELS)
+    for model in S.BLS_MODELS:
+        assert (repository / model.name / "1" / "model.py").is_file(), model.name
 
 
 def test_committed_configs_match_the_spec(repository):
@@ -37,6 +39,9 @@ def test_config_parses_and_is_production_ready(repository, name):
     config = committed(repository, name)
     assert config.name == name
     assert config.max_batch_size > 0
+    if config.platform == "ensemble":
+        assert not config.HasField("dynamic_batching") and not config.instance_group
+        return
     batching = config.dynamic_batching
     assert batching.max_queue_delay_microseconds <= 5_000, "a long delay is paid at low load"
     assert all(0 < b <= config.max_batch_size for b in batching.preferred_batch_size)
@@ -44,11 +49,46 @@ def test_config_parses_and_is_production_ready(repository, name):
     # BLS timeouts only fire in a queue that allows overriding a non-zero default timeout.
     assert policy.allow_timeout_override and policy.default_timeout_microseconds > 0
     assert 0 < policy.max_queue_size <= 4096, "queues must be bounded"
+    expected_kind = (model_config_pb2.ModelInstanceGroup.KIND_CPU if config.backend == "python"
+                     # KIND_AUTO (unset): GPU instances in the container, CPU instances here.
+                     else model_config_pb2.ModelInstanceGroup.KIND_AUTO)
     for group in config.instance_group:
-        # KIND_AUTO (unset) so the same file runs on the GPU in the container and on CPU here.
-        assert group.kind == model_config_pb2.ModelInstanceGroup.KIND_AUTO
+        assert group.kind == expected_kind
     # A single instance with a queue policy stalls in ~500 ms steps under bursts.
     assert sum(g.count for g in config.instance_group) >= 2
+
+
+def tensors_of(config) -> dict[str, tuple[int, tuple[int, ...]]]:
+    return {t.name: (t.data_type, tuple(t.dims)) for t in (*config.input, *config.output)}
+
+
+@pytest.mark.parametrize("orchestrator", S.BLS_MODELS, ids=lambda m: m.name)
+def test_every_tensor_an_orchestrator_uses_exists_in_its_sub_models(repository, orchestrator):
+    config = committed(repository, orchestrator.name)
+    parameters = {k: v.string_value for k, v in config.parameters.items()}
+    for stage, contract in S.STAGES[orchestrator.name].items():
+        sub_model = parameters[f"{stage}_model"]
+        sub_tensors = tensors_of(committed(repository, sub_model))
+        for tensor in (*contract.inputs, *contract.outputs):
+            dtype = model_config_pb2.DataType.Value(tensor.dtype)
+            assert sub_tensors.get(tensor.name) == (dtype, tensor.dims), (
+                f"{orchestrator.name}: stage '{stage}' needs {tensor.name} {tensor.dtype} "
+                f"{list(tensor.dims)} from '{sub_model}'")
+
+
+def test_ensemble_steps_are_wired_to_existing_tensors(repository):
+    config = committed(repository, "pipeline_ensemble")
+    produced = {t.name for t in config.input}
+    for step in config.ensemble_scheduling.step:
+        step_config = tensors_of(committed(repository, step.model_name))
+        for model_input, ensemble_tensor in step.input_map.items():
+            assert model_input in step_config and ensemble_tensor in produced, step.model_name
+        for model_output, ensemble_tensor in step.output_map.items():
+            assert model_output in step_config, step.model_name
+            produced.add(ensemble_tensor)
+    assert {t.name for t in config.output} <= produced
+    bls = committed(repository, "pipeline")
+    assert tensors_of(bls) == tensors_of(config), "the ensemble must have pipeline's contract"
 
 
 @pytest.mark.parametrize("model", S.ONNX_MODELS, ids=lambda m: m.name)

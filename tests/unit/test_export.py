@@ -20,12 +20,13 @@ def test_onnxruntime_matches_pytorch(repository, model):
     # A batch size the export never saw, to exercise the dynamic batch axis.
     example = nets.example_input(model, batch=3)
     with torch.no_grad():
-        expected = nets.build(model.name).eval()(example).numpy()
-    (actual,) = session.run(None, {model.inputs[0].name: example.numpy()})
-    (output,) = model.outputs
-    assert actual.shape == (3, *output.dims)
-    assert actual.dtype == np.float32
-    np.testing.assert_allclose(actual, expected, rtol=1e-4, atol=1e-4)
+        expected = nets.build(model.name)(example)
+    expected = expected if isinstance(expected, tuple) else (expected,)
+    actual = session.run([t.name for t in model.outputs], {model.inputs[0].name: example.numpy()})
+    for output, got, want in zip(model.outputs, actual, expected):
+        assert got.shape == (3, *output.dims)
+        assert got.dtype == {"TYPE_FP32": np.float32, "TYPE_INT64": np.int64}[output.dtype]
+        np.testing.assert_allclose(got, want.numpy(), rtol=1e-4, atol=1e-4, err_msg=output.name)
 
 
 def test_preprocess_is_imagenet_normalisation(repository):
@@ -36,6 +37,20 @@ def test_preprocess_is_imagenet_normalisation(repository):
     mean, std = np.array(S.IMAGENET_MEAN), np.array(S.IMAGENET_STD)
     expected = ((image / 255.0 - mean) / std).transpose(0, 3, 1, 2)
     np.testing.assert_allclose(pixels, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_outputs_depend_on_the_image(repository):
+    """Random weights, but not a constant function: different images, different answers."""
+    pixels = nets.example_input(S.CLASSIFIER, batch=4).numpy()
+    classifier = ort.InferenceSession(str(export.onnx_path(repository, S.CLASSIFIER)),
+                                      providers=["CPUExecutionProvider"])
+    (logits,) = classifier.run(None, {"PIXELS": pixels})
+    assert len({tuple(np.argsort(-row)[:5]) for row in logits}) == 4
+    embedder = ort.InferenceSession(str(export.onnx_path(repository, S.EMBEDDER)),
+                                    providers=["CPUExecutionProvider"])
+    (embedding,) = embedder.run(None, {"PIXELS": pixels})
+    similarity = embedding @ embedding.T
+    assert np.all(similarity[~np.eye(4, dtype=bool)] < 0.95)
 
 
 def test_embedding_is_unit_length(repository):

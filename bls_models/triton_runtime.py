@@ -1,0 +1,347 @@
+"""Runs a pipeline inside a Triton python-backend model: the only module that uses ``pb_utils``.
+
+Design (docs/orchestrator.md has the measurements behind it):
+
+* **Concurrency.** In Triton 2.51 a non-decoupled model's ``execute`` — async or not — is not
+  re-entered until it returns, so a request waiting on a slow sub-model would hold up every
+  request behind it. Here ``execute`` only takes each request's inputs, deadline and response
+  sender, hands the request to an event loop this object owns (on its own thread) and returns
+  ``None``; each request is answered later, exactly once, through its response sender. Plain
+  unary HTTP and gRPC clients work unchanged (the model is not decoupled).
+* **Sub-requests.** ``InferenceRequest.exec`` blocks its thread until the sub-model answers, so
+  each in-flight sub-request runs on a thread of a dedicated pool (``subrequest_threads``,
+  instead of asyncio's default executor of ``min(32, cores + 4)`` threads).
+* **One lock for pb_utils.** Using ``pb_utils`` from several threads at once crashed stubs under
+  bursts on this build. Every ``pb_utils`` call — reading requests, building sub-requests,
+  reading sub-responses, metrics, cancellation checks, sending responses — holds ``self.lock``,
+  except the blocking wait inside ``exec`` itself (holding it there would serialise
+  sub-requests; concurrent ``exec`` is what the backend's own ``async_exec`` does). Python
+  objects that wrap backend memory are created and destroyed under the lock, and sub-request
+  outputs are copied into plain numpy arrays before the lock is released, so nothing that
+  references shared memory outlives its owner.
+* **Deadlines.** Each sub-request gets the request's remaining budget (capped by its stage's
+  timeout) twice: as its Triton ``timeout`` (so the sub-model's queue drops it) and as a limit on
+  the wait here (so a sub-request that is already running cannot hold the request). A sub-request
+  given up on keeps its thread until the sub-model answers (r24.10 cannot cancel it); it is
+  counted as abandoned and its result dropped. One whose deadline passed before a thread picked
+  it up is never sent.
+* **Backpressure.** At most ``max_inflight_requests`` requests per instance are in flight;
+  beyond that ``execute`` waits, so further requests stay in Triton's bounded, timeout-aware
+  queue of this model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import functools
+import json
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from bls_models import params, pipelines, repository
+from bls_models import spec as S
+from bls_models.deadline import Deadline
+from bls_models.errors import (Cancelled, Code, DeadlineExceeded, Kind, PipelineError,
+                               sub_request_failed)
+from bls_models.metrics import Metrics
+
+_NUMPY = {"TYPE_UINT8": np.uint8, "TYPE_INT64": np.int64, "TYPE_FP32": np.float32,
+          "TYPE_INT32": np.int32, "TYPE_FP16": np.float16, "TYPE_BOOL": np.bool_}
+SHUTDOWN_DRAIN_SECONDS = 10.0
+
+
+@dataclass
+class Job:
+    """One client request, from ``execute`` until its response is sent."""
+
+    inputs: dict[str, np.ndarray]
+    outputs: list[str]
+    deadline: Deadline
+    request_id: str
+    trace: object          # pb_utils InferenceTrace, forwarded to sub-requests
+    sender: object         # pb_utils InferenceResponseSender; None once answered
+    received: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class Outcome:
+    """What a sub-request thread hands back: plain Python data only."""
+
+    outputs: dict[str, np.ndarray] | None = None
+    error: str | None = None
+    expired: bool = False  # its deadline passed before a thread picked it up: never sent
+
+
+class Orchestrator:
+    def __init__(self, pb_utils, args: dict, pipeline: str) -> None:
+        self.pb = pb_utils
+        self.model = args["model_name"]
+        config = json.loads(args["model_config"])
+        contracts = S.STAGES[pipeline]
+        self.config = params.parse(params.string_parameters(config),
+                                   {stage: spec.name for stage, spec in contracts.items()})
+        # The repository directory holds this model's directory and its stage models' ones.
+        problems = repository.stage_problems(Path(args["model_repository"]).parent,
+                                             self.config.stages, contracts)
+        if problems:
+            raise params.ConfigError("; ".join(problems))
+        self.input_names = [t["name"] for t in config["input"]]
+        self.output_dtypes = {t["name"]: _NUMPY[t["data_type"]] for t in config["output"]}
+        self.pipeline = pipeline
+
+        self.lock = threading.Lock()
+        self.slots = threading.BoundedSemaphore(self.config.max_inflight_requests)
+        self.subrequests = concurrent.futures.ThreadPoolExecutor(
+            self.config.subrequest_threads, thread_name_prefix=f"{self.model}-subrequest")
+        self.compute = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix=f"{self.model}-compute")
+        self.metrics = Metrics(pb_utils, self.model)
+        self.tasks: set[asyncio.Task] = set()
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name=f"{self.model}-loop",
+                                       daemon=True)
+        self.thread.start()
+        self.log(f"orchestrating '{pipeline}': " + ", ".join(
+            f"{s.name} -> {s.model}" + (f" (timeout {s.timeout_ms} ms)" if s.timeout_ms else "")
+            for s in self.config.stages.values())
+            + f"; default deadline {self.config.default_deadline_ms} ms, "
+            f"{self.config.concurrency_mode}, fan-out {self.config.fanout}")
+
+    # -- execute (the stub's main thread) ---------------------------------------------------
+    def execute(self, requests) -> None:
+        started = []
+        for request in requests:
+            self.slots.acquire()  # backpressure: wait here, outside the lock
+            with self.lock:
+                sender = request.get_response_sender()
+                try:
+                    job = self._job(request, sender)
+                except Exception as error:  # noqa: BLE001 - this request fails alone
+                    job = None
+                    self.log(f"could not read request '{request.request_id()}': {error}", error=True)
+                    sender.send(self.pb.InferenceResponse(error=self.pb.TritonError(
+                        f"could not read the request: {error}", self.pb.TritonError.INVALID_ARG)),
+                        flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+                del sender
+            if job is None:
+                self.slots.release()
+                continue
+            started.append(asyncio.run_coroutine_threadsafe(self._answer(job), self.loop))
+        if self.config.concurrency_mode == "batch_gather":
+            # The measured alternative: one execute at a time, its requests gathered together.
+            concurrent.futures.wait(started)
+        return None
+
+    def _job(self, request, sender) -> Job:
+        inputs = {}
+        for name in self.input_names:
+            tensor = self.pb.get_input_tensor_by_name(request, name)
+            # A copy: nothing of the request's memory is used after execute returns.
+            inputs[name] = np.array(tensor.as_numpy(), copy=True)
+        return Job(
+            inputs=inputs,
+            outputs=[n for n in request.requested_output_names() if n in self.output_dtypes]
+            or list(self.output_dtypes),
+            deadline=Deadline.for_request(int(request.timeout()), self.config.default_deadline_ms),
+            request_id=request.request_id(),
+            trace=request.trace(),
+            sender=sender,
+        )
+
+    # -- one request (the event loop's thread) -------------------------------------------------
+    async def _answer(self, job: Job) -> None:
+        task = asyncio.current_task()
+        self.tasks.add(task)
+        self._gauge("bls_inflight_requests", +1)
+        try:
+            outputs = await self._run(job)
+            error = None
+        except PipelineError as failure:
+            outputs, error = None, failure
+        except asyncio.CancelledError:
+            outputs, error = None, PipelineError(Code.UNAVAILABLE,
+                                                 f"model '{self.model}' is shutting down")
+        except Exception:  # noqa: BLE001 - a bug here must not take the request's answer with it
+            self.log(f"request '{job.request_id}' failed:\n{traceback.format_exc()}", error=True)
+            outputs, error = None, PipelineError(
+                Code.INTERNAL, f"internal error in orchestrator '{self.model}' (see server log)")
+        finally:
+            self.tasks.discard(task)
+        self._send(job, outputs, error)
+
+    async def _run(self, job: Job) -> dict[str, np.ndarray]:
+        call = functools.partial(self._call, job)
+        if self.pipeline == "pipeline":
+            return await pipelines.image_pipeline(job.inputs, call, self.config.fanout)
+        return await pipelines.tag_pipeline(job.inputs, call, self._offload)
+
+    async def _offload(self, function, *args):
+        return await self.loop.run_in_executor(self.compute, function, *args)
+
+    def _send(self, job: Job, outputs: dict[str, np.ndarray] | None,
+              error: PipelineError | None) -> None:
+        pb = self.pb
+        code = "SUCCESS"
+        with self.lock:
+            sender, job.sender = job.sender, None
+            if sender is None:  # never answer twice
+                return
+            try:
+                if error is None:
+                    tensors = [pb.Tensor(n, np.ascontiguousarray(outputs[n], self.output_dtypes[n]))
+                               for n in job.outputs]
+                    response = pb.InferenceResponse(output_tensors=tensors)
+                else:
+                    code = error.code.value
+                    response = pb.InferenceResponse(
+                        error=pb.TritonError(error.message, getattr(pb.TritonError, code)))
+                sender.send(response, flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+            except Exception:  # noqa: BLE001 - e.g. the client is gone; log, never retry
+                self.log(f"could not send the response of '{job.request_id}':\n"
+                         f"{traceback.format_exc()}", error=True)
+                code = "SEND_FAILED"
+            finally:
+                del sender
+                job.trace = None
+                self.metrics.increment("bls_requests_total", code=code)
+                self.metrics.observe("bls_request_latency_seconds", time.monotonic() - job.received)
+                self.metrics.increment("bls_inflight_requests", -1)
+        self.slots.release()
+
+    # -- the one sub-request wrapper ---------------------------------------------------------
+    async def _call(self, job: Job, stage: str, inputs: dict[str, np.ndarray],
+                    output_names) -> dict[str, np.ndarray]:
+        pb = self.pb
+        model = self.config.stage(stage).model
+        with self.lock:
+            cancelled = job.sender is not None and job.sender.is_cancelled()
+            if cancelled:
+                self.metrics.increment("bls_cancelled_requests_total", stage=stage)
+        if cancelled:
+            raise Cancelled(stage)
+        limit, what, limit_ms = job.deadline.stage_limit(self.config.stage(stage).timeout_ms)
+        if limit <= 0:
+            self._count_deadline(stage)
+            raise DeadlineExceeded(stage, model, limit_ms, what)
+
+        with self.lock:
+            request = pb.InferenceRequest(
+                model_name=model,
+                inputs=[pb.Tensor(name, array) for name, array in inputs.items()],
+                requested_output_names=list(output_names),
+                request_id=job.request_id,
+                timeout=max(1, int(limit * 1e6)),  # µs; applies in the sub-model's queue
+                trace=job.trace,
+                # Outputs come back in CPU memory (they are copied into numpy below).
+                preferred_memory=pb.PreferredMemory(pb.TRITONSERVER_MEMORY_CPU, 0),
+            )
+        handoff = [request]  # the thread takes the only reference
+        del request
+        started = time.monotonic()
+        future = self.subrequests.submit(self._exec, handoff, started + limit, list(output_names))
+        self._gauge("bls_inflight_subrequests", +1)
+        future.add_done_callback(lambda _: self._post(self._gauge, "bls_inflight_subrequests", -1))
+        waiter = asyncio.wrap_future(future, loop=self.loop)
+        try:
+            done, _ = await asyncio.wait({waiter}, timeout=limit)
+        finally:
+            with self.lock:
+                self.metrics.observe("bls_stage_latency_seconds", time.monotonic() - started,
+                                     stage=stage)
+        if not done:
+            waiter.cancel()
+            if not future.cancel():  # already running: it finishes on its own, result dropped
+                with self.lock:
+                    self.metrics.increment("bls_abandoned_subrequests_total", stage=stage)
+                future.add_done_callback(lambda _: self._post(
+                    self._count, "bls_abandoned_subrequests_completed_total", stage))
+            self._count_deadline(stage)
+            raise DeadlineExceeded(stage, model, limit_ms, what)
+        outcome: Outcome = waiter.result()
+        if outcome.expired:
+            self._count_deadline(stage)
+            raise DeadlineExceeded(stage, model, limit_ms, what)
+        if outcome.error is not None:
+            failure = sub_request_failed(stage, model, outcome.error)
+            self._count("bls_subrequest_errors_total", stage, kind=failure.kind.value)
+            raise failure
+        return outcome.outputs
+
+    def _exec(self, handoff: list, expires: float, output_names: list[str]) -> Outcome:
+        """On a sub-request thread: send, wait, copy the outputs out. Returns plain data only."""
+        pb = self.pb
+        request = handoff.pop()
+        response = tensor = None
+        try:
+            if time.monotonic() >= expires:
+                return Outcome(expired=True)
+            response = request.exec()  # blocks (GIL released) until the sub-model answers
+            with self.lock:
+                if response.has_error():
+                    return Outcome(error=response.error().message())
+                outputs = {}
+                for name in output_names:
+                    tensor = pb.get_output_tensor_by_name(response, name)
+                    if tensor is None:
+                        return Outcome(error=f"the response has no output '{name}'")
+                    outputs[name] = np.array(tensor.as_numpy(), copy=True)
+                return Outcome(outputs=outputs)
+        except Exception as error:  # noqa: BLE001 - exec itself raised (e.g. stub errors)
+            return Outcome(error=f"{type(error).__name__}: {error}")
+        finally:
+            with self.lock:  # backend objects die under the lock, on this thread
+                del request, response, tensor
+
+    def _post(self, function, *args) -> None:
+        """Run ``function`` on the event loop's thread (from a sub-request thread)."""
+        try:
+            self.loop.call_soon_threadsafe(function, *args)
+        except RuntimeError:  # the loop is closed: the model is unloading
+            pass
+
+    # -- metrics helpers (event loop thread) ------------------------------------------------------
+    def _count(self, family: str, stage: str, **labels: str) -> None:
+        with self.lock:
+            self.metrics.increment(family, stage=stage, **labels)
+
+    def _count_deadline(self, stage: str) -> None:
+        with self.lock:
+            self.metrics.increment("bls_deadline_exceeded_total", stage=stage)
+            self.metrics.increment("bls_subrequest_errors_total", stage=stage,
+                                   kind=Kind.DEADLINE.value)
+
+    def _gauge(self, family: str, delta: float) -> None:
+        with self.lock:
+            self.metrics.increment(family, delta)
+
+    def log(self, message: str, error: bool = False) -> None:
+        logger = self.pb.Logger
+        (logger.log_error if error else logger.log_info)(f"[{self.model}] {message}")
+
+    # -- shutdown --------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Drain in-flight requests (bounded), answer the rest with UNAVAILABLE, stop threads."""
+        deadline = time.monotonic() + SHUTDOWN_DRAIN_SECONDS
+        while self.tasks and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if self.tasks:
+            self.log(f"cancelling {len(self.tasks)} request(s) still in flight at shutdown")
+            cancel = asyncio.run_coroutine_threadsafe(self._cancel_all(), self.loop)
+            cancel.result(timeout=5)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=5)
+        self.subrequests.shutdown(wait=False, cancel_futures=True)
+        self.compute.shutdown(wait=False, cancel_futures=True)
+        with self.lock:
+            self.metrics.close()
+
+    async def _cancel_all(self) -> None:
+        tasks = list(self.tasks)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

@@ -1,0 +1,59 @@
+"""Test-only fault model: stands in for a pipeline stage and misbehaves on request.
+
+It has the tensors of the stage it replaces (from its config) and answers zeros, unless the
+request id carries a directive for it. The orchestrators forward the client's request id to every
+sub-request, so a test steers one stage of one request by naming this model in the id:
+
+    "<anything>;fault_classifier:delay:1500"   sleep 1.5 s, then answer
+    "fault_embedder:error:boom"                answer with an error "fault injected: boom"
+    "fault_crash:crash"                        kill this stub process (os._exit)
+
+Several directives can be joined with ';'. Directives for other models are ignored.
+"""
+
+import json
+import os
+import time
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.name = args["model_name"]
+        config = json.loads(args["model_config"])
+        self.outputs = {t["name"]: (pb_utils.triton_string_to_numpy(t["data_type"]),
+                                    [int(d) for d in t["dims"]]) for t in config["output"]}
+        self.input_name = config["input"][0]["name"]
+
+    def directives(self, request):
+        found = []
+        for token in request.request_id().split(";"):
+            parts = token.strip().split(":", 2)
+            if len(parts) >= 2 and parts[0] == self.name:
+                found.append((parts[1], parts[2] if len(parts) > 2 else ""))
+        return found
+
+    def execute(self, requests):
+        plans = [self.directives(request) for request in requests]
+        # Delays apply to the whole batch (tests send a slow request alone).
+        delay = max((float(arg) for plan in plans for action, arg in plan if action == "delay"),
+                    default=0.0)
+        if delay:
+            time.sleep(delay / 1000.0)
+        responses = []
+        for request, plan in zip(requests, plans):
+            actions = dict(plan)
+            if "crash" in actions:
+                os._exit(1)
+            if "error" in actions:
+                responses.append(pb_utils.InferenceResponse(
+                    error=pb_utils.TritonError(f"fault injected: {actions['error']}")))
+                continue
+            batch = pb_utils.get_input_tensor_by_name(request, self.input_name).as_numpy().shape[0]
+            wanted = request.requested_output_names() or list(self.outputs)
+            responses.append(pb_utils.InferenceResponse(output_tensors=[
+                pb_utils.Tensor(name, np.zeros([batch, *self.outputs[name][1]], self.outputs[name][0]))
+                for name in wanted]))
+        return responses

@@ -1,0 +1,77 @@
+"""The test-only model repository: fault models and orchestrator variants wired to them.
+
+Served next to the real `model_repository/` (tritonserver takes several repositories), so the
+real models are tested exactly as committed. Configs are rendered from specs like the real ones.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+from pathlib import Path
+
+from bls_models import spec as S
+from modelgen import configs
+
+HERE = Path(__file__).resolve().parent
+FAULT_MODEL = HERE / "fault_models" / "model.py"
+ROOT = HERE.parent
+
+_FAST_QUEUE = S.BatchingSpec(preferred_batch_sizes=(), max_queue_delay_us=0)
+
+
+def fault_model(name: str, stand_in_for: S.ModelSpec, instances: int = 4,
+                batching: S.BatchingSpec = _FAST_QUEUE) -> S.ModelSpec:
+    return dataclasses.replace(stand_in_for, name=name, backend="python", kind="KIND_CPU",
+                               instance_count=instances, batching=batching,
+                               description=f"fault stand-in for {stand_in_for.name}")
+
+
+FAULT_MODELS = (
+    fault_model("fault_preprocess", S.PREPROCESS),
+    fault_model("fault_classifier", S.CLASSIFIER),
+    fault_model("fault_embedder", S.EMBEDDER),
+    fault_model("fault_tagger", S.TAGGER),
+    # One instance, a queue of 2: the third concurrent request is refused ("queue full").
+    fault_model("fault_queue", S.CLASSIFIER, instances=1,
+                batching=S.BatchingSpec(preferred_batch_sizes=(), max_queue_delay_us=0,
+                                        max_queue_size=2)),
+    # Killed by the crash test; nothing else uses it.
+    fault_model("fault_crash", S.CLASSIFIER, instances=1),
+)
+
+
+def variant(base: S.ModelSpec, name: str, **parameters: str) -> S.ModelSpec:
+    return dataclasses.replace(base, name=name, parameters={**base.parameters, **parameters})
+
+
+VARIANTS = (
+    variant(S.PIPELINE, "pipeline_faulty", preprocess_model="fault_preprocess",
+            classifier_model="fault_classifier", embedder_model="fault_embedder",
+            embedder_timeout_ms="400", default_deadline_ms="1500"),
+    variant(S.TAG_PIPELINE, "tag_pipeline_faulty", tagger_model="fault_tagger",
+            default_deadline_ms="1500"),
+    variant(S.PIPELINE, "pipeline_queue", preprocess_model="fault_preprocess",
+            classifier_model="fault_queue", embedder_model="fault_embedder"),
+    variant(S.PIPELINE, "pipeline_crash", preprocess_model="fault_preprocess",
+            classifier_model="fault_crash", embedder_model="fault_embedder",
+            default_deadline_ms="3000"),
+)
+
+BASE_OF = {"pipeline_faulty": "pipeline", "tag_pipeline_faulty": "tag_pipeline",
+           "pipeline_queue": "pipeline", "pipeline_crash": "pipeline"}
+
+
+def build(target: Path, real_repository: Path) -> Path:
+    """Write the test repository into ``target`` (a fresh directory)."""
+    for model in FAULT_MODELS:
+        _write(target, model, FAULT_MODEL)
+    for model in VARIANTS:
+        _write(target, model, real_repository / BASE_OF[model.name] / "1" / "model.py")
+    return target
+
+
+def _write(target: Path, model: S.ModelSpec, source: Path) -> None:
+    (target / model.name / "1").mkdir(parents=True)
+    (target / model.name / "config.pbtxt").write_text(configs.render(model))
+    shutil.copy(source, target / model.name / "1" / "model.py")

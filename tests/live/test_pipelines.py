@@ -1,0 +1,118 @@
+"""The BLS pipelines compute what ONNX Runtime computes on the same files, over HTTP and gRPC,
+and the ensemble gives the same answers as the BLS pipeline."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+
+from bls_models import pipelines
+from bls_models import spec as S
+from modelgen import export, nets
+
+
+@pytest.fixture(scope="module")
+def onnx(repository):
+    sessions = {m.name: ort.InferenceSession(str(export.onnx_path(repository, m)),
+                                             providers=["CPUExecutionProvider"])
+                for m in S.ONNX_MODELS}
+
+    def run(model: str, **feeds):
+        return sessions[model].run(None, feeds)
+
+    return run
+
+
+def images(count: int, seed: int) -> np.ndarray:
+    return nets.synthetic_images(count, seed=seed).numpy()
+
+
+def tokens(count: int, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    return rng.integers(0, S.TAGGER_VOCAB, (count, S.TAGGER_SEQ_LEN), dtype=np.int64)
+
+
+def expected_pipeline(onnx, image: np.ndarray) -> dict[str, np.ndarray]:
+    (pixels,) = onnx("preprocess", IMAGE=image)
+    (logits,) = onnx("classifier", PIXELS=pixels)
+    (embedding,) = onnx("embedder", PIXELS=pixels)
+    ids, probs = pipelines.softmax_top_k(logits)
+    return {"CLASS_IDS": ids, "CLASS_PROBS": probs, "EMBEDDING": embedding}
+
+
+def infer(protocol, client, model, name, data, dtype, outputs, **kwargs):
+    module = httpclient if protocol == "http" else grpcclient
+    tensor = module.InferInput(name, list(data.shape), dtype)
+    tensor.set_data_from_numpy(data)
+    wanted = [module.InferRequestedOutput(o) for o in outputs]
+    return client.infer(model, [tensor], outputs=wanted, **kwargs)
+
+
+def check_image_result(result, expected):
+    np.testing.assert_array_equal(result.as_numpy("CLASS_IDS"), expected["CLASS_IDS"])
+    np.testing.assert_allclose(result.as_numpy("CLASS_PROBS"), expected["CLASS_PROBS"],
+                               rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(result.as_numpy("EMBEDDING"), expected["EMBEDDING"],
+                               rtol=1e-4, atol=1e-5)
+
+
+@pytest.fixture
+def client_for(http_client, grpc_client):
+    return lambda protocol: http_client if protocol == "http" else grpc_client
+
+
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+@pytest.mark.parametrize("model", ["pipeline", "pipeline_ensemble"])
+def test_image_pipeline_matches_onnxruntime(model, protocol, client_for, onnx):
+    image = images(3, seed=11)
+    result = infer(protocol, client_for(protocol), model, "IMAGE", image, "UINT8",
+                   ["CLASS_IDS", "CLASS_PROBS", "EMBEDDING"])
+    assert result.as_numpy("CLASS_IDS").dtype == np.int64
+    assert result.as_numpy("CLASS_PROBS").dtype == np.float32
+    assert result.as_numpy("EMBEDDING").shape == (3, S.EMBEDDING_DIM)
+    check_image_result(result, expected_pipeline(onnx, image))
+
+
+def test_bls_and_ensemble_give_the_same_answers(grpc_client):
+    image = images(4, seed=21)
+    names = ["CLASS_IDS", "CLASS_PROBS", "EMBEDDING"]
+    bls = infer("grpc", grpc_client, "pipeline", "IMAGE", image, "UINT8", names)
+    ensemble = infer("grpc", grpc_client, "pipeline_ensemble", "IMAGE", image, "UINT8", names)
+    np.testing.assert_array_equal(bls.as_numpy("CLASS_IDS"), ensemble.as_numpy("CLASS_IDS"))
+    for name in names[1:]:
+        np.testing.assert_allclose(bls.as_numpy(name), ensemble.as_numpy(name), rtol=1e-4, atol=1e-6)
+    assert len({tuple(row) for row in bls.as_numpy("CLASS_IDS")}) == 4, "answers depend on the image"
+
+
+def test_only_requested_outputs_are_returned(grpc_client, onnx):
+    image = images(1, seed=5)
+    result = infer("grpc", grpc_client, "pipeline", "IMAGE", image, "UINT8", ["EMBEDDING"])
+    assert result.as_numpy("CLASS_IDS") is None
+    np.testing.assert_allclose(result.as_numpy("EMBEDDING"),
+                               expected_pipeline(onnx, image)["EMBEDDING"], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_tag_pipeline_reduces_tagger_logits_on_the_server(protocol, client_for, onnx):
+    data = tokens(2, seed=protocol == "http")
+    result = infer(protocol, client_for(protocol), "tag_pipeline", "TOKENS", data, "INT64",
+                   ["TAGS", "TAG_PROBS"])
+    (logits,) = onnx("tagger", TOKENS=data)
+    tags, probs = pipelines.reduce_tags(logits)
+    assert result.as_numpy("TAGS").shape == (2, S.TAGGER_SEQ_LEN)
+    np.testing.assert_array_equal(result.as_numpy("TAGS"), tags)
+    np.testing.assert_allclose(result.as_numpy("TAG_PROBS"), probs, rtol=1e-4, atol=1e-7)
+
+
+def test_concurrent_pipeline_requests_each_get_their_own_answer(http_client, onnx):
+    batches = [images(1 + i % 3, seed=300 + i) for i in range(20)]
+    pending = []
+    for image in batches:
+        tensor = httpclient.InferInput("IMAGE", list(image.shape), "UINT8")
+        tensor.set_data_from_numpy(image)
+        pending.append(http_client.async_infer("pipeline", [tensor]))
+    for image, request in zip(batches, pending):
+        check_image_result(request.get_result(), expected_pipeline(onnx, image))

@@ -1,0 +1,212 @@
+"""The orchestration library without Triton: pipelines over a fake sub-model caller, errors,
+deadlines and parameters."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import numpy as np
+import pytest
+
+from bls_models import params, pipelines
+from bls_models import spec as S
+from bls_models.deadline import Deadline
+from bls_models.errors import (Code, DeadlineExceeded, InvalidInput, Kind, PipelineError,
+                               classify_sub_error, sub_request_failed)
+
+
+class FakeSubModels:
+    """Answers each stage after a delay, recording when calls start and end."""
+
+    def __init__(self, delays: dict[str, float], fail: dict[str, PipelineError] | None = None):
+        self.delays = delays
+        self.fail = fail or {}
+        self.log: list[tuple[str, str, float]] = []
+
+    async def __call__(self, stage, inputs, outputs):
+        self.log.append(("start", stage, time.monotonic()))
+        await asyncio.sleep(self.delays.get(stage, 0.0))
+        self.log.append(("end", stage, time.monotonic()))
+        if stage in self.fail:
+            raise self.fail[stage]
+        batch = len(next(iter(inputs.values())))
+        rng = np.random.default_rng(len(self.log))
+        shapes = {"PIXELS": (3, 224, 224), "LOGITS": (1000,), "EMBEDDING": (256,)}
+        if stage == "tagger":
+            shapes["LOGITS"] = (S.TAGGER_SEQ_LEN, 16)
+        return {name: rng.standard_normal((batch, *shapes[name])).astype(np.float32)
+                for name in outputs}
+
+
+def run(coroutine):
+    return asyncio.run(coroutine)
+
+
+def image_inputs(batch=2):
+    return {"IMAGE": np.zeros((batch, 224, 224, 3), np.uint8)}
+
+
+def test_branches_run_concurrently():
+    fake = FakeSubModels({"preprocess": 0.01, "classifier": 0.2, "embedder": 0.2})
+    started = time.monotonic()
+    out = run(pipelines.image_pipeline(image_inputs(), fake))
+    elapsed = time.monotonic() - started
+    starts = {stage: t for kind, stage, t in fake.log if kind == "start"}
+    ends = {stage: t for kind, stage, t in fake.log if kind == "end"}
+    assert starts["classifier"] >= ends["preprocess"] and starts["embedder"] >= ends["preprocess"]
+    assert starts["embedder"] < ends["classifier"] and starts["classifier"] < ends["embedder"]
+    assert elapsed < 0.39  # max(a, b) + preprocess, not a + b
+    assert out["CLASS_IDS"].shape == (2, 5) and out["CLASS_IDS"].dtype == np.int64
+    assert out["CLASS_PROBS"].dtype == np.float32 and out["EMBEDDING"].shape == (2, 256)
+
+
+def test_sequential_fanout_runs_one_branch_after_the_other():
+    fake = FakeSubModels({"classifier": 0.05, "embedder": 0.05})
+    run(pipelines.image_pipeline(image_inputs(), fake, fanout="sequential"))
+    order = [(kind, stage) for kind, stage, _ in fake.log]
+    assert order.index(("end", "classifier")) < order.index(("start", "embedder"))
+
+
+def test_a_failing_branch_waits_for_its_sibling_then_raises():
+    failure = sub_request_failed("classifier", "classifier", "boom")
+    fake = FakeSubModels({"embedder": 0.1}, fail={"classifier": failure})
+    with pytest.raises(PipelineError) as raised:
+        run(pipelines.image_pipeline(image_inputs(), fake))
+    assert raised.value is failure
+    assert ("end", "embedder") in [(k, s) for k, s, _ in fake.log], "sibling left running"
+
+
+def test_a_failed_preprocess_issues_no_further_stage():
+    fake = FakeSubModels({}, fail={"preprocess": sub_request_failed("preprocess", "p", "x")})
+    with pytest.raises(PipelineError):
+        run(pipelines.image_pipeline(image_inputs(), fake))
+    assert {s for _, s, _ in fake.log} == {"preprocess"}
+
+
+def test_softmax_top_k_matches_a_direct_computation():
+    logits = np.random.default_rng(0).standard_normal((3, 1000)).astype(np.float32)
+    ids, probs = pipelines.softmax_top_k(logits)
+    full = np.exp(logits - logits.max(1, keepdims=True))
+    full /= full.sum(1, keepdims=True)
+    for row in range(3):
+        expected = np.argsort(full[row])[::-1][:5]
+        assert list(ids[row]) == list(expected)
+        np.testing.assert_allclose(probs[row], full[row][expected], rtol=1e-6)
+    assert np.all(np.diff(probs, axis=1) <= 0)
+
+
+def test_top_k_ties_go_to_the_lower_class_id():
+    ids, _ = pipelines.softmax_top_k(np.zeros((1, 10), np.float32), k=3)
+    assert list(ids[0]) == [0, 1, 2]
+
+
+def test_reduce_tags_gives_argmax_and_its_probability():
+    logits = np.random.default_rng(1).standard_normal((2, 4, 50)).astype(np.float32) * 5
+    tags, probs = pipelines.reduce_tags(logits)
+    np.testing.assert_array_equal(tags, logits.argmax(-1))
+    soft = np.exp(logits - logits.max(-1, keepdims=True))
+    soft /= soft.sum(-1, keepdims=True)
+    np.testing.assert_allclose(probs, soft.max(-1), rtol=1e-5)
+    assert tags.dtype == np.int64 and probs.dtype == np.float32
+
+
+@pytest.mark.parametrize("bad", [-1, S.TAGGER_VOCAB, 10**9])
+def test_out_of_range_tokens_are_invalid_input_and_no_sub_request_is_made(bad):
+    tokens = np.zeros((1, S.TAGGER_SEQ_LEN), np.int64)
+    tokens[0, 3] = bad
+    fake = FakeSubModels({})
+
+    async def offload(function, *args):
+        return function(*args)
+
+    with pytest.raises(InvalidInput) as raised:
+        run(pipelines.tag_pipeline({"TOKENS": tokens}, fake, offload))
+    assert raised.value.code is Code.INVALID_ARG and str(bad) in raised.value.message
+    assert fake.log == []
+
+
+@pytest.mark.parametrize("message, kind, code", [
+    ("Request timeout expired", Kind.DEADLINE, Code.UNAVAILABLE),
+    ("Exceeds maximum queue size", Kind.QUEUE_FULL, Code.UNAVAILABLE),
+    ("Failed for execute the inference request. Model 'x' is not ready.", Kind.NOT_READY,
+     Code.UNAVAILABLE),
+    ("Failed to increase the shared memory pool size for key 'k'", Kind.SHM, Code.UNAVAILABLE),
+    ("onnxruntime: [ONNXRuntimeError] : 2 : INVALID_ARGUMENT : indices element out of data bounds",
+     Kind.INVALID, Code.INVALID_ARG),
+    ("Stub process 'classifier_0_0' is not healthy.", Kind.FAILED, Code.INTERNAL),
+    ("division by zero", Kind.FAILED, Code.INTERNAL),
+])
+def test_sub_model_errors_are_classified_by_message(message, kind, code):
+    assert classify_sub_error(message) is kind
+    error = sub_request_failed("classifier", "classifier_v2", message + "\nTraceback: ...")
+    assert error.code is code and error.kind is kind
+    assert "classifier" in error.message and "classifier_v2" in error.message
+    assert "Traceback" not in error.message
+    if kind is Kind.DEADLINE:
+        assert "deadline" in error.message
+
+
+def test_deadline_from_client_timeout_or_default():
+    client = Deadline.for_request(timeout_us=250_000, default_ms=5000, now=100.0)
+    assert client.source == "client" and client.end == pytest.approx(100.25)
+    default = Deadline.for_request(timeout_us=0, default_ms=5000, now=100.0)
+    assert default.source == "default" and default.end == pytest.approx(105.0)
+
+
+def test_stage_limit_is_the_remaining_budget_capped_by_the_stage_timeout():
+    deadline = Deadline.for_request(timeout_us=1_000_000, default_ms=0, now=0.0)
+    assert deadline.stage_limit(0, now=0.4)[:2] == (pytest.approx(0.6), "client timeout")
+    assert deadline.stage_limit(200, now=0.4)[:2] == (pytest.approx(0.2), "stage timeout")
+    assert deadline.stage_limit(900, now=0.4)[:2] == (pytest.approx(0.6), "client timeout")
+    assert deadline.stage_limit(0, now=1.2)[0] < 0
+
+
+def test_deadline_error_names_stage_model_and_is_unavailable():
+    error = DeadlineExceeded("embedder", "embedder", 250, "client timeout")
+    assert error.code is Code.UNAVAILABLE
+    assert "deadline" in error.message and "'embedder'" in error.message and "250 ms" in error.message
+
+
+STAGES = {"preprocess": "preprocess", "classifier": "classifier"}
+
+
+def test_parameters_default_and_override():
+    config = params.parse({"classifier_model": "classifier_trt", "classifier_timeout_ms": "150",
+                           "default_deadline_ms": "2000"}, STAGES)
+    assert config.stage("classifier").model == "classifier_trt"
+    assert config.stage("classifier").timeout_ms == 150
+    assert config.stage("preprocess") == params.Stage("preprocess", "preprocess", 0)
+    assert config.default_deadline_ms == 2000
+    assert (config.fanout, config.concurrency_mode) == ("concurrent", "event_loop")
+
+
+def test_bad_parameters_are_all_reported():
+    with pytest.raises(params.ConfigError) as raised:
+        params.parse({"classifer_model": "x", "classifier_timeout_ms": "soon",
+                      "default_deadline_ms": "0", "fanout": "parallel"}, STAGES)
+    message = str(raised.value)
+    for fragment in ("unknown parameter 'classifer_model'", "'classifier_timeout_ms' must be an integer",
+                     "'default_deadline_ms' must be >= 1", "'fanout' must be one of"):
+        assert fragment in message
+
+
+def test_committed_bls_parameters_parse(repository):
+    from modelgen import configs
+
+    for model in S.BLS_MODELS:
+        parsed = params.parse(params.string_parameters(configs.config_dict(model)),
+                              {stage: spec.name for stage, spec in S.STAGES[model.name].items()})
+        assert set(parsed.stages) == set(S.STAGES[model.name])
+
+
+def test_stage_models_are_checked_against_the_repository(repository, tmp_path):
+    from bls_models import repository as repo_check
+
+    stages = {"classifier": params.Stage("classifier", "embedder", 0),
+              "embedder": params.Stage("embedder", "missing_model", 0)}
+    problems = repo_check.stage_problems(repository, stages, S.STAGES["pipeline"])
+    assert any("'embedder'" in p and "no tensor 'LOGITS'" in p for p in problems)
+    assert any("no model 'missing_model'" in p for p in problems)
+    good = {s: params.Stage(s, m.name, 0) for s, m in S.STAGES["pipeline"].items()}
+    assert repo_check.stage_problems(repository, good, S.STAGES["pipeline"]) == []
