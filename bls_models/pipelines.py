@@ -17,13 +17,14 @@ from bls_models import spec as S
 from bls_models.errors import InvalidInput, PipelineError
 
 
+# Computes a stage's result from its outputs where they arrive, without copying them first:
+# {output name: array} -> {name: new array}. It must not keep references to its inputs.
+Reduce = Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]]
+
+
 class SubModelCall(Protocol):
-    def __call__(self, stage: str, inputs: dict[str, np.ndarray],
-                 outputs: Sequence[str]) -> Awaitable[dict[str, np.ndarray]]: ...
-
-
-# Runs a CPU-heavy numpy function off the event loop (numpy releases the GIL in its kernels).
-Offload = Callable[..., Awaitable]
+    def __call__(self, stage: str, inputs: dict[str, np.ndarray], outputs: Sequence[str],
+                 reduce: Reduce | None = None) -> Awaitable[dict[str, np.ndarray]]: ...
 
 
 def softmax_top_k(logits: np.ndarray, k: int = S.TOP_K) -> tuple[np.ndarray, np.ndarray]:
@@ -72,14 +73,20 @@ async def image_pipeline(inputs: dict[str, np.ndarray], call: SubModelCall,
     return {"CLASS_IDS": ids, "CLASS_PROBS": probs, "EMBEDDING": embedded["EMBEDDING"]}
 
 
-async def tag_pipeline(inputs: dict[str, np.ndarray], call: SubModelCall,
-                       offload: Offload) -> dict[str, np.ndarray]:
-    """TOKENS -> tagger -> TAGS, TAG_PROBS (the 28.7 MB/sequence logits never leave the server)."""
+def _reduce_tagger_outputs(outputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    tags, probs = reduce_tags(outputs["LOGITS"])
+    return {"TAGS": tags, "TAG_PROBS": probs}
+
+
+async def tag_pipeline(inputs: dict[str, np.ndarray], call: SubModelCall) -> dict[str, np.ndarray]:
+    """TOKENS -> tagger -> TAGS, TAG_PROBS.
+
+    The 28.7 MB-per-sequence logits never leave the server, and are reduced where they land (no
+    copy): the caller runs the reduction on the sub-response's memory, off the event loop.
+    """
     tokens = inputs["TOKENS"]
     validate_tokens(tokens)
-    logits = (await call("tagger", {"TOKENS": tokens}, ["LOGITS"]))["LOGITS"]
-    tags, probs = await offload(reduce_tags, logits)
-    return {"TAGS": tags, "TAG_PROBS": probs}
+    return await call("tagger", {"TOKENS": tokens}, ["LOGITS"], reduce=_reduce_tagger_outputs)
 
 
 async def gather_all(*awaitables: Awaitable) -> list:

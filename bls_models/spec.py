@@ -196,7 +196,9 @@ TAG_PIPELINE = ModelSpec(
         "tagger_timeout_ms": "0",
         "default_deadline_ms": "10000",
         "max_inflight_requests": "256",
-        "subrequest_threads": "16",
+        # Each tagger response holding 28.7 MB per sequence sits in this stub's shared memory
+        # until reduced: the thread count bounds that (8 x 4 x 28.7 MB at most).
+        "subrequest_threads": "8",
     },
     description="BLS: tagger, reduced on the server to per-token argmax and its probability",
 )

@@ -16,9 +16,10 @@ Design (docs/orchestrator.md has the measurements behind it):
   reading sub-responses, metrics, cancellation checks, sending responses — holds ``self.lock``,
   except the blocking wait inside ``exec`` itself (holding it there would serialise
   sub-requests; concurrent ``exec`` is what the backend's own ``async_exec`` does). Python
-  objects that wrap backend memory are created and destroyed under the lock, and sub-request
-  outputs are copied into plain numpy arrays before the lock is released, so nothing that
-  references shared memory outlives its owner.
+  objects that wrap backend memory are created and destroyed under the lock. A sub-response's
+  outputs are turned into plain numpy arrays (copied, or reduced in place as the tagger's 28.7 MB
+  logits are) on the sub-request's thread while the response is still alive, so nothing that
+  points into shared memory outlives its owner.
 * **Deadlines.** Each sub-request gets the request's remaining budget (capped by its stage's
   timeout) twice: as its Triton ``timeout`` (so the sub-model's queue drops it) and as a limit on
   the wait here (so a sub-request that is already running cannot hold the request). A sub-request
@@ -50,6 +51,7 @@ from bls_models.deadline import Deadline
 from bls_models.errors import (Cancelled, Code, DeadlineExceeded, Kind, PipelineError,
                                sub_request_failed)
 from bls_models.metrics import Metrics
+from bls_models.pipelines import Reduce
 
 _NUMPY = {"TYPE_UINT8": np.uint8, "TYPE_INT64": np.int64, "TYPE_FP32": np.float32,
           "TYPE_INT32": np.int32, "TYPE_FP16": np.float16, "TYPE_BOOL": np.bool_}
@@ -99,7 +101,6 @@ class Orchestrator:
         self.slots = threading.BoundedSemaphore(self.config.max_inflight_requests)
         self.subrequests = concurrent.futures.ThreadPoolExecutor(
             self.config.subrequest_threads, thread_name_prefix=f"{self.model}-subrequest")
-        self.compute = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix=f"{self.model}-compute")
         self.metrics = Metrics(pb_utils, self.model)
         self.tasks: set[asyncio.Task] = set()
         self.loop = asyncio.new_event_loop()
@@ -178,10 +179,7 @@ class Orchestrator:
         call = functools.partial(self._call, job)
         if self.pipeline == "pipeline":
             return await pipelines.image_pipeline(job.inputs, call, self.config.fanout)
-        return await pipelines.tag_pipeline(job.inputs, call, self._offload)
-
-    async def _offload(self, function, *args):
-        return await self.loop.run_in_executor(self.compute, function, *args)
+        return await pipelines.tag_pipeline(job.inputs, call)
 
     def _send(self, job: Job, outputs: dict[str, np.ndarray] | None,
               error: PipelineError | None) -> None:
@@ -215,7 +213,7 @@ class Orchestrator:
 
     # -- the one sub-request wrapper ---------------------------------------------------------
     async def _call(self, job: Job, stage: str, inputs: dict[str, np.ndarray],
-                    output_names) -> dict[str, np.ndarray]:
+                    output_names, reduce: Reduce | None = None) -> dict[str, np.ndarray]:
         pb = self.pb
         model = self.config.stage(stage).model
         with self.lock:
@@ -243,7 +241,8 @@ class Orchestrator:
         handoff = [request]  # the thread takes the only reference
         del request
         started = time.monotonic()
-        future = self.subrequests.submit(self._exec, handoff, started + limit, list(output_names))
+        future = self.subrequests.submit(self._exec, handoff, started + limit, list(output_names),
+                                         reduce)
         self._gauge("bls_inflight_subrequests", +1)
         future.add_done_callback(lambda _: self._post(self._gauge, "bls_inflight_subrequests", -1))
         waiter = asyncio.wrap_future(future, loop=self.loop)
@@ -272,11 +271,14 @@ class Orchestrator:
             raise failure
         return outcome.outputs
 
-    def _exec(self, handoff: list, expires: float, output_names: list[str]) -> Outcome:
-        """On a sub-request thread: send, wait, copy the outputs out. Returns plain data only."""
+    def _exec(self, handoff: list, expires: float, output_names: list[str],
+              reduce: Reduce | None) -> Outcome:
+        """On a sub-request thread: send, wait, then turn the outputs into plain numpy arrays
+        (copies, or whatever ``reduce`` computes from them in place). Returns plain data only."""
         pb = self.pb
         request = handoff.pop()
-        response = tensor = None
+        response = None
+        views: dict[str, np.ndarray] = {}
         try:
             if time.monotonic() >= expires:
                 return Outcome(expired=True)
@@ -284,18 +286,22 @@ class Orchestrator:
             with self.lock:
                 if response.has_error():
                     return Outcome(error=response.error().message())
-                outputs = {}
                 for name in output_names:
                     tensor = pb.get_output_tensor_by_name(response, name)
                     if tensor is None:
                         return Outcome(error=f"the response has no output '{name}'")
-                    outputs[name] = np.array(tensor.as_numpy(), copy=True)
-                return Outcome(outputs=outputs)
+                    views[name] = tensor.as_numpy()  # a view of the response's memory
+                del tensor
+            # Outside the lock: numpy only, on memory the response keeps alive until the end.
+            if reduce is not None:
+                return Outcome(outputs=reduce(views))
+            return Outcome(outputs={name: view.copy() for name, view in views.items()})
         except Exception as error:  # noqa: BLE001 - exec itself raised (e.g. stub errors)
             return Outcome(error=f"{type(error).__name__}: {error}")
         finally:
             with self.lock:  # backend objects die under the lock, on this thread
-                del request, response, tensor
+                views.clear()
+                del request, response
 
     def _post(self, function, *args) -> None:
         """Run ``function`` on the event loop's thread (from a sub-request thread)."""
@@ -336,7 +342,6 @@ class Orchestrator:
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(timeout=5)
         self.subrequests.shutdown(wait=False, cancel_futures=True)
-        self.compute.shutdown(wait=False, cancel_futures=True)
         with self.lock:
             self.metrics.close()
 

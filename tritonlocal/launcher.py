@@ -30,6 +30,8 @@ from tritonlocal import runtime
 from tritonlocal.runtime import LauncherError
 
 LOCAL_BACKENDS = Path(__file__).with_name("backends")
+SHM = Path("/dev/shm")
+SHM_PREFIX = "tritonlocal_"  # + launcher pid + "_" + run id + "_" + Triton's UUID
 _PR_SET_PDEATHSIG = 1
 
 
@@ -45,6 +47,12 @@ class ServerOptions:
     stop_grace: float = 20.0           # seconds between SIGINT and SIGKILL
     python: str = field(default_factory=runtime.default_python)
     log_verbose: int = 0
+    # The python backend's shared-memory region per stub (python models and the local ONNX
+    # backend alike). Regions grow but never shrink; starting at 1 MiB (Triton's default) the
+    # orchestrators' regions grew in 1 MiB steps to ~190 MiB under load, starting at 32 MiB they
+    # stayed at 32 MiB (docs/orchestrator.md). Growth is in large steps for the same reason.
+    shm_default_bytes: int = 32 * 2**20
+    shm_growth_bytes: int = 16 * 2**20
     extra_args: list[str] = field(default_factory=list)
 
 
@@ -55,6 +63,7 @@ class TritonServer:
         self.options = options
         self.process: subprocess.Popen | None = None
         self._run_dir: Path | None = None
+        self._shm_prefix = ""
         self.log_file: Path | None = None
 
     # -- URLs -----------------------------------------------------------------------------
@@ -93,6 +102,8 @@ class TritonServer:
                                              "metrics": opts.metrics_port})
 
         self._run_dir = Path(tempfile.mkdtemp(prefix="tritonlocal-"))
+        remove_stale_regions()
+        self._shm_prefix = f"{SHM_PREFIX}{os.getpid()}_{self._run_dir.name.removeprefix('tritonlocal-')}_"
         backends = self._assemble_backends(install, stub, self._run_dir / "backends")
         self.log_file = Path(opts.log_file) if opts.log_file else self._run_dir / "tritonserver.log"
         self.log_file.parent.mkdir(parents=True, exist_ok=True)
@@ -110,6 +121,11 @@ class TritonServer:
             # No GPU locally: skip the pinned host pool the CUDA build would try to allocate.
             "--pinned-memory-pool-byte-size=0",
             f"--log-verbose={opts.log_verbose}",
+            f"--backend-config=python,shm-default-byte-size={opts.shm_default_bytes}",
+            f"--backend-config=python,shm-growth-byte-size={opts.shm_growth_bytes}",
+            # A prefix unique to this server, so stop() can remove exactly its regions if a stub
+            # could not (killed stubs leave their /dev/shm files behind).
+            f"--backend-config=python,shm-region-prefix-name={self._shm_prefix}",
             *opts.extra_args,
         ]
         with open(self.log_file, "ab") as log:
@@ -141,6 +157,8 @@ class TritonServer:
             _signal_group(process.pid, signal.SIGKILL)
             code = process.wait()
             _wait_group_gone(process.pid, timeout=10.0)
+            for region in shm_regions(self._shm_prefix):
+                region.unlink(missing_ok=True)
         if self._run_dir is not None:
             backends = self._run_dir / "backends"
             shutil.rmtree(backends, ignore_errors=True)
@@ -213,6 +231,22 @@ def failed_models(log: str) -> dict[str, str]:
                                    log, flags=re.MULTILINE):
         failed.setdefault(name, reason.strip())
     return failed
+
+
+def shm_regions(prefix: str) -> list[Path]:
+    return sorted(SHM.glob(f"{prefix}*")) if prefix else []
+
+
+def remove_stale_regions() -> list[Path]:
+    """Remove shared-memory regions left by servers whose launcher no longer exists (a launcher
+    killed with SIGKILL cannot clean up, and killed stubs leave their regions behind)."""
+    removed = []
+    for region in SHM.glob(f"{SHM_PREFIX}*"):
+        pid = region.name.removeprefix(SHM_PREFIX).split("_", 1)[0]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            region.unlink(missing_ok=True)
+            removed.append(region)
+    return removed
 
 
 def _die_with_parent() -> None:

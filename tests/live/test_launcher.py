@@ -19,6 +19,7 @@ import tritonclient.grpc as grpcclient
 from bls_models import spec as S
 from modelgen import configs, export
 from tritonlocal import LauncherError, ServerOptions, TritonServer
+from tritonlocal.launcher import remove_stale_regions, shm_regions
 from tritonlocal.runtime import free_ports
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -94,7 +95,10 @@ def test_stop_takes_every_stub_with_it(repository, tmp_path):
         stubs = subprocess.run(["pgrep", "-g", str(pid), "-f", "triton_python_backend_stub"],
                                capture_output=True, text=True).stdout.split()
         assert len(stubs) == S.PREPROCESS.instance_count
+        prefix = launcher._shm_prefix
+        assert len(shm_regions(prefix)) == S.PREPROCESS.instance_count
     assert not group_alive(pid), "processes of the server's group survived stop()"
+    assert shm_regions(prefix) == [], "shared-memory regions left in /dev/shm"
 
 
 def spawn_serve(repository: Path, tmp_path: Path):
@@ -123,6 +127,9 @@ def test_the_server_dies_with_its_launcher(repository, tmp_path):
         while group_alive(server_pid) and time.monotonic() < deadline:
             time.sleep(0.2)
         assert not group_alive(server_pid), "server or stubs outlived a killed launcher"
+        # Whatever /dev/shm regions its stubs left are orphans now; a launcher start removes them.
+        remove_stale_regions()
+        assert shm_regions(f"tritonlocal_{launcher.pid}_") == []
     finally:
         launcher.kill()
 

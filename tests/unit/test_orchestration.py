@@ -24,7 +24,7 @@ class FakeSubModels:
         self.fail = fail or {}
         self.log: list[tuple[str, str, float]] = []
 
-    async def __call__(self, stage, inputs, outputs):
+    async def __call__(self, stage, inputs, outputs, reduce=None):
         self.log.append(("start", stage, time.monotonic()))
         await asyncio.sleep(self.delays.get(stage, 0.0))
         self.log.append(("end", stage, time.monotonic()))
@@ -35,8 +35,9 @@ class FakeSubModels:
         shapes = {"PIXELS": (3, 224, 224), "LOGITS": (1000,), "EMBEDDING": (256,)}
         if stage == "tagger":
             shapes["LOGITS"] = (S.TAGGER_SEQ_LEN, 16)
-        return {name: rng.standard_normal((batch, *shapes[name])).astype(np.float32)
-                for name in outputs}
+        result = {name: rng.standard_normal((batch, *shapes[name])).astype(np.float32)
+                  for name in outputs}
+        return reduce(result) if reduce else result
 
 
 def run(coroutine):
@@ -101,6 +102,14 @@ def test_top_k_ties_go_to_the_lower_class_id():
     assert list(ids[0]) == [0, 1, 2]
 
 
+def test_tag_pipeline_reduces_the_tagger_outputs_where_they_arrive():
+    fake = FakeSubModels({})
+    tokens = np.ones((2, S.TAGGER_SEQ_LEN), np.int64)
+    out = run(pipelines.tag_pipeline({"TOKENS": tokens}, fake))
+    assert set(out) == {"TAGS", "TAG_PROBS"}
+    assert out["TAGS"].shape == (2, S.TAGGER_SEQ_LEN) and out["TAGS"].dtype == np.int64
+
+
 def test_reduce_tags_gives_argmax_and_its_probability():
     logits = np.random.default_rng(1).standard_normal((2, 4, 50)).astype(np.float32) * 5
     tags, probs = pipelines.reduce_tags(logits)
@@ -116,12 +125,8 @@ def test_out_of_range_tokens_are_invalid_input_and_no_sub_request_is_made(bad):
     tokens = np.zeros((1, S.TAGGER_SEQ_LEN), np.int64)
     tokens[0, 3] = bad
     fake = FakeSubModels({})
-
-    async def offload(function, *args):
-        return function(*args)
-
     with pytest.raises(InvalidInput) as raised:
-        run(pipelines.tag_pipeline({"TOKENS": tokens}, fake, offload))
+        run(pipelines.tag_pipeline({"TOKENS": tokens}, fake))
     assert raised.value.code is Code.INVALID_ARG and str(bad) in raised.value.message
     assert fake.log == []
 

@@ -1,0 +1,135 @@
+"""Helpers shared by the live tests: timed requests, status codes, metrics, stub processes."""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+import urllib.request
+from dataclasses import dataclass
+
+import numpy as np
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+from tritonclient.utils import InferenceServerException
+
+from modelgen import nets
+
+# Triton error code -> what each protocol's client reports.
+STATUS = {
+    "http": {"INVALID_ARG": "400", "UNAVAILABLE": "503", "INTERNAL": "500", "CANCELLED": "499"},
+    "grpc": {"INVALID_ARG": "StatusCode.INVALID_ARGUMENT", "UNAVAILABLE": "StatusCode.UNAVAILABLE",
+             "INTERNAL": "StatusCode.INTERNAL", "CANCELLED": "StatusCode.CANCELLED"},
+}
+
+
+@dataclass
+class Outcome:
+    elapsed: float
+    result: object = None
+    error: InferenceServerException | None = None
+
+
+def image(seed: int = 0, batch: int = 1) -> np.ndarray:
+    return nets.synthetic_images(batch, seed=seed).numpy()
+
+
+def request_inputs(module, name: str, data: np.ndarray, dtype: str):
+    tensor = module.InferInput(name, list(data.shape), dtype)
+    tensor.set_data_from_numpy(data)
+    return [tensor]
+
+
+def timed_infer(client, protocol: str, model: str, data: np.ndarray, *, name: str = "IMAGE",
+                dtype: str = "UINT8", request_id: str = "", timeout_us: int | None = None,
+                **kwargs) -> Outcome:
+    module = httpclient if protocol == "http" else grpcclient
+    inputs = request_inputs(module, name, data, dtype)
+    if timeout_us is not None:
+        kwargs["timeout"] = timeout_us
+    started = time.monotonic()
+    try:
+        result = client.infer(model, inputs, request_id=request_id, **kwargs)
+        return Outcome(time.monotonic() - started, result=result)
+    except InferenceServerException as error:
+        return Outcome(time.monotonic() - started, error=error)
+
+
+def metrics_text(server) -> str:
+    with urllib.request.urlopen(server.metrics_url, timeout=10) as response:
+        return response.read().decode()
+
+
+def metric(server, name: str, **labels: str) -> float:
+    """Sum of the samples of ``name`` whose labels include ``labels`` (0 when absent)."""
+    total = 0.0
+    for line in metrics_text(server).splitlines():
+        match = re.match(rf"^{re.escape(name)}\{{(.*)\}} (\S+)$", line)
+        if not match:
+            continue
+        found = dict(re.findall(r'(\w+)="([^"]*)"', match.group(1)))
+        if all(found.get(k) == v for k, v in labels.items()):
+            total += float(match.group(2))
+    return total
+
+
+def inference_count(client, model: str) -> int:
+    stats = client.get_inference_statistics(model, as_json=True)["model_stats"]
+    return sum(int(s.get("inference_count", 0)) for s in stats)
+
+
+def stub_pids(server, model: str) -> list[int]:
+    """The python-backend stub processes of ``model``'s instances (argv[8] is the instance name)."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            if os.getpgid(int(entry)) != server.process.pid:
+                continue
+            with open(f"/proc/{entry}/cmdline", "rb") as handle:
+                argv = handle.read().split(b"\0")
+        except (OSError, ProcessLookupError):
+            continue
+        if (len(argv) > 8 and argv[0].endswith(b"triton_python_backend_stub")
+                and re.fullmatch(rf"{re.escape(model)}_\d+_\d+", argv[8].decode())):
+            pids.append(int(entry))
+    return pids
+
+
+def rss_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as handle:
+        for line in handle:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+async def drive(url: str, model: str, count: int, concurrency: int, data: np.ndarray,
+                name: str = "IMAGE", dtype: str = "UINT8", prefix: str = "load",
+                timeout_us: int = 120_000_000) -> list[tuple[str, str | None, Exception | None]]:
+    """Send ``count`` requests with at most ``concurrency`` in flight (asyncio gRPC client).
+
+    Returns (request id sent, request id answered or None, error or None) for every request.
+    """
+    import asyncio
+
+    import tritonclient.grpc.aio as grpcaio
+
+    client = grpcaio.InferenceServerClient(url)
+    slots = asyncio.Semaphore(concurrency)
+
+    async def one(i: int):
+        request_id = f"{prefix}-{i}"
+        async with slots:
+            try:
+                result = await client.infer(model, request_inputs(grpcaio, name, data, dtype),
+                                            request_id=request_id, timeout=timeout_us)
+                return request_id, result.get_response().id, None
+            except Exception as error:  # noqa: BLE001 - reported to the caller
+                return request_id, None, error
+
+    try:
+        return await asyncio.gather(*(one(i) for i in range(count)))
+    finally:
+        await client.close()
