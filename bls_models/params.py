@@ -32,6 +32,9 @@ class OrchestratorConfig:
     subrequest_threads: int      # per instance; sub-requests waiting on a sub-model at once
     fanout: str                  # "concurrent" (production) or "sequential" (benchmark baseline)
     concurrency_mode: str        # "event_loop" (production) or "batch_gather" (measured alternative)
+    # More model repositories in which to find the stage models' configs at load time (comma-
+    # separated absolute paths), for servers started with several --model-repository flags.
+    stage_model_repositories: tuple[str, ...] = ()
 
     def stage(self, name: str) -> Stage:
         return self.stages[name]
@@ -55,7 +58,7 @@ def parse(parameters: dict[str, str], stages: dict[str, str]) -> OrchestratorCon
     Raises ConfigError naming every problem at once.
     """
     problems: list[str] = []
-    known = {"fanout", "concurrency_mode", *DEFAULTS}
+    known = {"fanout", "concurrency_mode", "stage_model_repositories", *DEFAULTS}
     for stage in stages:
         known.update({f"{stage}_model", f"{stage}_timeout_ms"})
     for key in sorted(set(parameters) - known):
@@ -91,6 +94,8 @@ def parse(parameters: dict[str, str], stages: dict[str, str]) -> OrchestratorCon
         subrequest_threads=integer("subrequest_threads", DEFAULTS["subrequest_threads"], 1),
         fanout=choice("fanout", FANOUTS),
         concurrency_mode=choice("concurrency_mode", CONCURRENCY_MODES),
+        stage_model_repositories=tuple(
+            p.strip() for p in parameters.get("stage_model_repositories", "").split(",") if p.strip()),
     )
     if problems:
         raise ConfigError("; ".join(problems))

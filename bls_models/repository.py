@@ -21,16 +21,19 @@ def load_config(path: Path):
     return text_format.Parse(path.read_text(), model_config_pb2.ModelConfig())
 
 
-def stage_problems(repository: Path, stages: dict[str, Stage],
+def stage_problems(repositories: list[Path], stages: dict[str, Stage],
                    contracts: dict[str, S.ModelSpec]) -> list[str]:
+    """Every problem with the stage models, looked up in ``repositories`` in order."""
     from tritonclient.grpc import model_config_pb2
 
     problems = []
     for name, stage in stages.items():
-        path = repository / stage.model / "config.pbtxt"
         where = f"stage '{name}' (parameter {name}_model = '{stage.model}')"
-        if not path.is_file():
-            problems.append(f"{where}: no model '{stage.model}' in {repository}")
+        candidates = [r / stage.model / "config.pbtxt" for r in repositories]
+        path = next((c for c in candidates if c.is_file()), None)
+        if path is None:
+            searched = ", ".join(str(r) for r in repositories)
+            problems.append(f"{where}: no model '{stage.model}' in {searched}")
             continue
         try:
             config = load_config(path)

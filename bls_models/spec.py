@@ -72,6 +72,7 @@ class ModelSpec:
     # a GPU, so their instance count must not multiply with the number of GPUs).
     kind: str | None = None
     platform: str = ""
+    decoupled: bool = False  # model_transaction_policy (only the measured alternative uses it)
     parameters: dict[str, str] = field(default_factory=dict)
     ensemble_steps: tuple[EnsembleStep, ...] = ()
     description: str = ""

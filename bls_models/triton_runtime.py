@@ -88,9 +88,10 @@ class Orchestrator:
         contracts = S.STAGES[pipeline]
         self.config = params.parse(params.string_parameters(config),
                                    {stage: spec.name for stage, spec in contracts.items()})
-        # The repository directory holds this model's directory and its stage models' ones.
-        problems = repository.stage_problems(Path(args["model_repository"]).parent,
-                                             self.config.stages, contracts)
+        # This model's own repository first (the parent of its directory), then any others.
+        repositories = [Path(args["model_repository"]).parent,
+                        *(Path(p) for p in self.config.stage_model_repositories)]
+        problems = repository.stage_problems(repositories, self.config.stages, contracts)
         if problems:
             raise params.ConfigError("; ".join(problems))
         self.input_names = [t["name"] for t in config["input"]]

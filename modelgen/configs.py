@@ -52,6 +52,8 @@ def config_dict(model: S.ModelSpec) -> dict:
         if model.kind:
             group["kind"] = model.kind
         config["instance_group"] = [group]
+    if model.decoupled:
+        config["model_transaction_policy"] = {"decoupled": True}
     if model.ensemble_steps:
         config["ensemble_scheduling"] = {"step": [
             {"model_name": step.model, "model_version": -1,

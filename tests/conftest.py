@@ -28,9 +28,9 @@ def repository() -> Path:
 @pytest.fixture(scope="session")
 def fault_repository(repository, tmp_path_factory) -> Path:
     """Test-only models (fault stand-ins, orchestrator variants wired to them)."""
-    from tests import fault_repository
+    from modelgen import variants
 
-    return fault_repository.build(tmp_path_factory.mktemp("fault_repository"), repository)
+    return variants.build(tmp_path_factory.mktemp("fault_repository"), repository)
 
 
 @pytest.fixture(scope="session")

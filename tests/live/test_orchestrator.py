@@ -1,5 +1,5 @@
 """How the BLS orchestrators behave under slow, failing and crashing sub-models, cancellation and
-load — against the real server, with the test-only fault models (tests/fault_models).
+load — against the real server, with the test-only fault models (modelgen/fault_model.py, modelgen/variants.py).
 
 The only timing assertions are behaviour the orchestrator promises: an error within the deadline
 plus 50 ms, and unrelated requests not waiting for a slow one.

@@ -210,8 +210,10 @@ def test_stage_models_are_checked_against_the_repository(repository, tmp_path):
 
     stages = {"classifier": params.Stage("classifier", "embedder", 0),
               "embedder": params.Stage("embedder", "missing_model", 0)}
-    problems = repo_check.stage_problems(repository, stages, S.STAGES["pipeline"])
+    problems = repo_check.stage_problems([tmp_path, repository], stages, S.STAGES["pipeline"])
     assert any("'embedder'" in p and "no tensor 'LOGITS'" in p for p in problems)
     assert any("no model 'missing_model'" in p for p in problems)
     good = {s: params.Stage(s, m.name, 0) for s, m in S.STAGES["pipeline"].items()}
-    assert repo_check.stage_problems(repository, good, S.STAGES["pipeline"]) == []
+    assert repo_check.stage_problems([tmp_path, repository], good, S.STAGES["pipeline"]) == []
+    assert "no model 'preprocess'" in " ".join(
+        repo_check.stage_problems([tmp_path], good, S.STAGES["pipeline"]))

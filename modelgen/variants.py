@@ -1,7 +1,8 @@
-"""The test-only model repository: fault models and orchestrator variants wired to them.
+"""Repositories of variants: fault models and orchestrators wired to them, for tests and benchmarks.
 
 Served next to the real `model_repository/` (tritonserver takes several repositories), so the
-real models are tested exactly as committed. Configs are rendered from specs like the real ones.
+real models run exactly as committed. Configs are rendered from specs like the real ones; the
+fault model's code is `modelgen/fault_model.py`. Nothing here is part of the production repository.
 """
 
 from __future__ import annotations
@@ -13,9 +14,7 @@ from pathlib import Path
 from bls_models import spec as S
 from modelgen import configs
 
-HERE = Path(__file__).resolve().parent
-FAULT_MODEL = HERE / "fault_models" / "model.py"
-ROOT = HERE.parent
+FAULT_MODEL = Path(__file__).with_name("fault_model.py")
 
 _FAST_QUEUE = S.BatchingSpec(preferred_batch_sizes=(), max_queue_delay_us=0)
 
@@ -62,16 +61,17 @@ BASE_OF = {"pipeline_faulty": "pipeline", "tag_pipeline_faulty": "tag_pipeline",
            "pipeline_queue": "pipeline", "pipeline_crash": "pipeline"}
 
 
-def build(target: Path, real_repository: Path) -> Path:
-    """Write the test repository into ``target`` (a fresh directory)."""
+def build(target: Path, real_repository: Path, variants=VARIANTS, base_of=None) -> Path:
+    """Write the fault models and ``variants`` into ``target`` (a fresh directory)."""
+    base_of = base_of or BASE_OF
     for model in FAULT_MODELS:
-        _write(target, model, FAULT_MODEL)
-    for model in VARIANTS:
-        _write(target, model, real_repository / BASE_OF[model.name] / "1" / "model.py")
+        write(target, model, FAULT_MODEL)
+    for model in variants:
+        write(target, model, real_repository / base_of[model.name] / "1" / "model.py")
     return target
 
 
-def _write(target: Path, model: S.ModelSpec, source: Path) -> None:
+def write(target: Path, model: S.ModelSpec, source: Path) -> None:
     (target / model.name / "1").mkdir(parents=True)
     (target / model.name / "config.pbtxt").write_text(configs.render(model))
     shutil.copy(source, target / model.name / "1" / "model.py")
