@@ -65,8 +65,7 @@ class Job:
     inputs: dict[str, np.ndarray]
     outputs: list[str]
     deadline: Deadline
-    request_id: str
-    trace: object          # pb_utils InferenceTrace, forwarded to sub-requests
+    request_id: str        # forwarded to every sub-request
     sender: object         # pb_utils InferenceResponseSender; None once answered
     received: float = field(default_factory=time.monotonic)
 
@@ -151,7 +150,9 @@ class Orchestrator:
             or list(self.output_dtypes),
             deadline=Deadline.for_request(int(request.timeout()), self.config.default_deadline_ms),
             request_id=request.request_id(),
-            trace=request.trace(),
+            # Not request.trace(): the request (and its trace) is released when execute returns,
+            # and a sub-request spawned from that trace later segfaults Triton 2.51 when tracing
+            # is on (verified). Sub-requests carry the request id instead.
             sender=sender,
         )
 
@@ -206,7 +207,6 @@ class Orchestrator:
                 code = "SEND_FAILED"
             finally:
                 del sender
-                job.trace = None
                 self.metrics.increment("bls_requests_total", code=code)
                 self.metrics.observe("bls_request_latency_seconds", time.monotonic() - job.received)
                 self.metrics.increment("bls_inflight_requests", -1)
@@ -235,7 +235,6 @@ class Orchestrator:
                 requested_output_names=list(output_names),
                 request_id=job.request_id,
                 timeout=max(1, int(limit * 1e6)),  # µs; applies in the sub-model's queue
-                trace=job.trace,
                 # Outputs come back in CPU memory (they are copied into numpy below).
                 preferred_memory=pb.PreferredMemory(pb.TRITONSERVER_MEMORY_CPU, 0),
             )

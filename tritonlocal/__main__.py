@@ -15,16 +15,17 @@ from pathlib import Path
 from tritonlocal.launcher import ServerOptions, TritonServer, tail_to
 from tritonlocal.runtime import LauncherError
 
-EXAMPLE_MODEL = "classifier"
+EXAMPLE_MODEL = "pipeline"
 
 
 def example_request(server: TritonServer) -> str:
-    """A request to paste into a shell: one all-zero image through `classifier`, over HTTP/JSON."""
-    body = ("import json; print(json.dumps({'inputs': [{'name': 'PIXELS', 'shape': [1, 3, 224, 224],"
-            " 'datatype': 'FP32', 'data': [0.0] * 150528}]}))")
+    """A request to paste into a shell: a grey image through the BLS `pipeline`, over HTTP/JSON."""
+    body = ("import json; print(json.dumps({'inputs': [{'name': 'IMAGE', 'shape': [1, 224, 224, 3],"
+            " 'datatype': 'UINT8', 'data': [128] * 150528}], 'outputs': [{'name': 'CLASS_IDS'},"
+            " {'name': 'CLASS_PROBS'}]}))")
     return (f'python3 -c "{body}" \\\n'
             f"  | curl -s -X POST http://{server.http_url}/v2/models/{EXAMPLE_MODEL}/infer \\\n"
-            "      -H 'Content-Type: application/json' --data-binary @- | head -c 400; echo")
+            "      -H 'Content-Type: application/json' --data-binary @-; echo")
 
 
 def banner(server: TritonServer) -> str:

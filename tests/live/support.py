@@ -97,12 +97,16 @@ def stub_pids(server, model: str) -> list[int]:
     return pids
 
 
-def rss_bytes(pid: int) -> int:
+def memory(pid: int) -> dict[str, float]:
+    """MiB of a stub: ``private`` (RssAnon, its own heap) and ``region`` (the size of its python
+    backend shared-memory region in /dev/shm, a pool that grows with the peak of concurrent
+    tensors and never shrinks)."""
     with open(f"/proc/{pid}/status") as handle:
-        for line in handle:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    return 0
+        fields = dict(line.split(":", 1) for line in handle if ":" in line)
+    with open(f"/proc/{pid}/cmdline", "rb") as handle:
+        region = handle.read().split(b"\0")[2].decode()  # argv[2]: the region's name
+    return {"private": int(fields["RssAnon"].split()[0]) / 1024,
+            "region": os.path.getsize(f"/dev/shm/{region}") / 2**20}
 
 
 async def drive(url: str, model: str, count: int, concurrency: int, data: np.ndarray,

@@ -215,3 +215,31 @@ def test_one_bad_request_fails_alone_not_its_batch(batching_server):
     for result, error in results:
         if error is None:
             assert result.as_numpy("LOGITS").shape == (1, S.TAGGER_SEQ_LEN, S.TAGGER_VOCAB)
+
+
+def test_tracing_on_does_not_crash_the_orchestrators(repository, tmp_path):
+    """With Triton tracing on, pipeline requests succeed and are traced under their request id.
+
+    (Forwarding request.trace() to sub-requests after execute returned segfaulted Triton 2.51;
+    the orchestrator forwards the request id instead. This test keeps it that way.)
+    """
+    import json
+
+    from tests.live.support import timed_infer, image
+
+    trace_file = tmp_path / "trace.json"
+    opts = options(repository, tmp_path, extra_args=[
+        f"--trace-config=triton,file={trace_file}", "--trace-config=level=TIMESTAMPS",
+        "--trace-config=rate=1", "--trace-config=log_frequency=1"])
+    with TritonServer(opts) as launcher:
+        client = grpcclient.InferenceServerClient(launcher.grpc_url)
+        try:
+            for i in range(3):
+                outcome = timed_infer(client, "grpc", "pipeline", image(i), request_id=f"traced-{i}")
+                assert outcome.error is None, outcome.error
+        finally:
+            client.close()
+        assert launcher.is_running()
+    traced = {entry.get("request_id") for entry in json.loads(trace_file.read_text())
+              if entry.get("model_name") == "pipeline"}
+    assert traced & {"traced-0", "traced-1", "traced-2"}
