@@ -97,12 +97,14 @@ class Orchestrator:
         self.output_dtypes = {t["name"]: _NUMPY[t["data_type"]] for t in config["output"]}
         self.pipeline = pipeline
 
-        self.lock = threading.Lock()
+        # Re-entrant: logging (a pb_utils call) takes it too, also from code that holds it.
+        self.lock = threading.RLock()
         self.slots = threading.BoundedSemaphore(self.config.max_inflight_requests)
         self.subrequests = concurrent.futures.ThreadPoolExecutor(
             self.config.subrequest_threads, thread_name_prefix=f"{self.model}-subrequest")
         self.metrics = Metrics(pb_utils, self.model)
         self.tasks: set[asyncio.Task] = set()
+        self.pending = 0  # requests taken by execute and not yet answered (under the lock)
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name=f"{self.model}-loop",
                                        daemon=True)
@@ -122,6 +124,7 @@ class Orchestrator:
                 sender = request.get_response_sender()
                 try:
                     job = self._job(request, sender)
+                    self.pending += 1
                 except Exception as error:  # noqa: BLE001 - this request fails alone
                     job = None
                     self.log(f"could not read request '{request.request_id()}': {error}", error=True)
@@ -191,6 +194,7 @@ class Orchestrator:
             sender, job.sender = job.sender, None
             if sender is None:  # never answer twice
                 return
+            self.pending -= 1
             try:
                 if error is None:
                     tensors = [pb.Tensor(n, np.ascontiguousarray(outputs[n], self.output_dtypes[n]))
@@ -327,16 +331,17 @@ class Orchestrator:
 
     def log(self, message: str, error: bool = False) -> None:
         logger = self.pb.Logger
-        (logger.log_error if error else logger.log_info)(f"[{self.model}] {message}")
+        with self.lock:
+            (logger.log_error if error else logger.log_info)(f"[{self.model}] {message}")
 
     # -- shutdown --------------------------------------------------------------------------------
     def close(self) -> None:
         """Drain in-flight requests (bounded), answer the rest with UNAVAILABLE, stop threads."""
         deadline = time.monotonic() + SHUTDOWN_DRAIN_SECONDS
-        while self.tasks and time.monotonic() < deadline:
+        while self.pending and time.monotonic() < deadline:
             time.sleep(0.05)
-        if self.tasks:
-            self.log(f"cancelling {len(self.tasks)} request(s) still in flight at shutdown")
+        if self.pending:
+            self.log(f"cancelling {self.pending} request(s) still in flight at shutdown")
             cancel = asyncio.run_coroutine_threadsafe(self._cancel_all(), self.loop)
             cancel.result(timeout=5)
         self.loop.call_soon_threadsafe(self.loop.stop)

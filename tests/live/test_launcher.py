@@ -243,3 +243,46 @@ def test_tracing_on_does_not_crash_the_orchestrators(repository, tmp_path):
     traced = {entry.get("request_id") for entry in json.loads(trace_file.read_text())
               if entry.get("model_name") == "pipeline"}
     assert traced & {"traced-0", "traced-1", "traced-2"}
+
+
+def test_shutdown_drains_requests_in_flight(repository, fault_repository, tmp_path):
+    """Stopping the server while the orchestrator waits on a sub-model: the request is still
+    answered (finalize drains in-flight work), and the server exits."""
+    import threading
+
+    from tests.live.support import timed_infer, image
+
+    opts = options(repository, tmp_path, extra_args=[f"--model-repository={fault_repository}"])
+    launcher = TritonServer(opts)
+    launcher.start()
+    client = grpcclient.InferenceServerClient(launcher.grpc_url)
+    outcome = {}
+    request = threading.Thread(target=lambda: outcome.setdefault("value", timed_infer(
+        client, "grpc", "pipeline_faulty", image(1), request_id="fault_classifier:delay:1000")))
+    try:
+        request.start()
+        time.sleep(0.3)
+        launcher.stop()
+        request.join(30)
+    finally:
+        client.close()
+        launcher.stop()
+    assert not request.is_alive(), "the client is still waiting: the request was lost"
+    assert outcome["value"].error is None, outcome["value"].error
+    assert outcome["value"].elapsed >= 1.0
+
+
+def test_an_orchestrator_naming_a_missing_stage_model_fails_to_load(repository, tmp_path):
+    from modelgen import variants
+
+    broken = dataclasses.replace(S.PIPELINE, parameters={**S.PIPELINE.parameters,
+                                                         "classifier_model": "classifier_v9",
+                                                         "embedder_model": "classifier"})
+    repo = make_repository(tmp_path / "repo", repository, S.PREPROCESS, S.CLASSIFIER)
+    variants.write(repo, broken, repository / "pipeline" / "1" / "model.py")
+    with pytest.raises(LauncherError) as failure:
+        TritonServer(options(repo, tmp_path)).start()
+    message = str(failure.value)
+    assert "pipeline" in message
+    assert "no model 'classifier_v9'" in message
+    assert "'classifier' has no tensor 'EMBEDDING'" in message
