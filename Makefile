@@ -14,10 +14,12 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
 .DEFAULT_GOAL := help
-.PHONY: help venv models configs serve test test-unit clean
+.PHONY: help venv models configs serve test test-unit bench clean
+BENCH_EXPERIMENTS := orchestration fanout designs large_output clients
 
 help: ## Show this help
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
+	@echo "  make bench-<experiment>  one experiment: $(BENCH_EXPERIMENTS)"
 	@echo "  Variables: HTTP_PORT GRPC_PORT METRICS_PORT MODEL_REPOSITORY MODEL_SIZE=small|full PYTEST_ARGS"
 
 $(STAMP): pyproject.toml scripts/install_system_deps.sh scripts/install_perf_analyzer.py
@@ -44,6 +46,12 @@ test: models ## Run the whole test suite (unit + live server) — what CI runs
 
 test-unit: $(STAMP) ## Only the tests that need no server
 	$(PY) -m pytest -m "not live" $(PYTEST_ARGS)
+
+bench: models ## Run every benchmark (perf_analyzer; ~20 min) -> bench/results/REPORT.md
+	$(PY) -m bench
+
+$(addprefix bench-,$(BENCH_EXPERIMENTS)): bench-%: models ## (bench-orchestration, bench-fanout, ...) one experiment
+	$(PY) -m bench --experiment $*
 
 clean: ## Remove generated models, logs and caches (keeps .venv)
 	rm -rf .triton .pytest_cache $(MODEL_REPOSITORY)/*/[0-9]*/model.onnx $(MODEL_REPOSITORY)/.export-stamp.json

@@ -71,6 +71,13 @@ def build(target: Path, real_repository: Path, variants=VARIANTS, base_of=None) 
     return target
 
 
+def write_onnx(target: Path, model: S.ModelSpec, onnx_file: Path) -> None:
+    """An ONNX model variant (e.g. other batching settings) over an existing model.onnx."""
+    (target / model.name / "1").mkdir(parents=True)
+    (target / model.name / "config.pbtxt").write_text(configs.render(model))
+    shutil.copy(onnx_file, target / model.name / "1" / "model.onnx")
+
+
 def write(target: Path, model: S.ModelSpec, source: Path) -> None:
     (target / model.name / "1").mkdir(parents=True)
     (target / model.name / "config.pbtxt").write_text(configs.render(model))

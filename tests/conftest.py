@@ -27,10 +27,13 @@ def repository() -> Path:
 
 @pytest.fixture(scope="session")
 def fault_repository(repository, tmp_path_factory) -> Path:
-    """Test-only models (fault stand-ins, orchestrator variants wired to them)."""
+    """Test-only models (fault stand-ins, orchestrator variants wired to them) and the benchmark's
+    variants (so the benchmark smoke tests run against the same server)."""
+    from bench import experiments
     from modelgen import variants
 
-    return variants.build(tmp_path_factory.mktemp("fault_repository"), repository)
+    target = variants.build(tmp_path_factory.mktemp("fault_repository"), repository)
+    return experiments.write_variants(target, repository)
 
 
 @pytest.fixture(scope="session")

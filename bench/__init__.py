@@ -1,0 +1,1 @@
+"""Benchmarks: `make bench` (python -m bench). Results in bench/results/ (CSV, REPORT.md, PNG)."""

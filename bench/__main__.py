@@ -1,0 +1,59 @@
+"""`python -m bench` (`make bench`): start the local server through the launcher and run the
+benchmark experiments with the real perf_analyzer and the project's own clients.
+
+    python -m bench                         # every experiment
+    python -m bench --experiment fanout     # one (or several) of them
+    python -m bench --quick                 # seconds-long smoke run (used by the tests)
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from bench import experiments, perf, report
+from tritonlocal import ServerOptions, TritonServer
+from tritonlocal.runtime import free_ports
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
+    parser.add_argument("--experiment", action="append", choices=list(experiments.EXPERIMENTS),
+                        help="run only this experiment (repeatable; default: all)")
+    parser.add_argument("--quick", action="store_true", help="smoke settings: seconds, no claims")
+    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
+    parser.add_argument("--model-repository", type=Path, default=ROOT / "model_repository")
+    args = parser.parse_args(argv)
+    names = args.experiment or list(experiments.EXPERIMENTS)
+    settings = perf.Settings(quick=args.quick)
+    if not perf.PERF_ANALYZER.exists():
+        print("perf_analyzer is not installed: run `make venv`", file=sys.stderr)
+        return 2
+    with tempfile.TemporaryDirectory(prefix="bench-") as tmp:
+        extra = experiments.build_variants(Path(tmp) / "variants", args.model_repository)
+        http, grpc, metrics = free_ports(3)
+        options = ServerOptions(args.model_repository, http_port=http, grpc_port=grpc,
+                                metrics_port=metrics, log_file=Path(tmp) / "tritonserver.log",
+                                extra_args=[f"--model-repository={extra}"])
+        with TritonServer(options) as server:
+            version = server.metadata().get("version", "?")
+            context = experiments.Context(server, args.model_repository, settings)
+            for name in names:
+                started = time.monotonic()
+                print(f"== {name} ...", flush=True)
+                result = experiments.EXPERIMENTS[name](context)
+                report.write(result, args.out, version, settings)
+                print("\n".join(result.summary), flush=True)
+                print(f"== {name}: {time.monotonic() - started:.0f} s", flush=True)
+    path = report.assemble(args.out)
+    print(f"report: {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

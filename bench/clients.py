@@ -1,0 +1,190 @@
+"""Load generators written in the project, for what perf_analyzer cannot do: the same pipeline
+in-process (the limit of this machine), the pipeline driven by the client (sub-models called
+directly), and synchronous vs asyncio clients at high concurrency. All are bounded in count and
+time and report the same numbers as perf_analyzer's rows."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+from bench.perf import Point
+from bls_models import pipelines
+from bls_models import spec as S
+from modelgen import export, nets
+
+
+def point(concurrency: int, latencies: list[float], wall: float) -> Point:
+    ms = np.array(latencies) * 1e3 if latencies else np.array([np.nan])
+    return Point(concurrency=concurrency, throughput=len(latencies) / wall if wall else 0.0,
+                 p50_ms=float(np.percentile(ms, 50)), p90_ms=float(np.percentile(ms, 90)),
+                 p95_ms=float(np.percentile(ms, 95)), p99_ms=float(np.percentile(ms, 99)),
+                 server_queue_ms=0.0, server_compute_ms=0.0, client_send_recv_ms=0.0)
+
+
+# -- in-process onnxruntime: the same work with no server at all -------------------------------------
+class InProcess:
+    """preprocess -> classifier + embedder -> top-5, with ONNX Runtime sessions in this process."""
+
+    def __init__(self, repository: Path, threads_per_session: int = 1) -> None:
+        import onnxruntime as ort
+
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = threads_per_session
+        options.inter_op_num_threads = 1
+        self.sessions = {m.name: ort.InferenceSession(str(export.onnx_path(repository, m)), options,
+                                                      providers=["CPUExecutionProvider"])
+                         for m in (S.PREPROCESS, S.CLASSIFIER, S.EMBEDDER, S.TAGGER)}
+
+    def pipeline(self, image: np.ndarray) -> dict[str, np.ndarray]:
+        (pixels,) = self.sessions["preprocess"].run(None, {"IMAGE": image})
+        (logits,) = self.sessions["classifier"].run(None, {"PIXELS": pixels})
+        (embedding,) = self.sessions["embedder"].run(None, {"PIXELS": pixels})
+        ids, probs = pipelines.softmax_top_k(logits)
+        return {"CLASS_IDS": ids, "CLASS_PROBS": probs, "EMBEDDING": embedding}
+
+    def tagger(self, tokens: np.ndarray) -> np.ndarray:
+        return self.sessions["tagger"].run(None, {"TOKENS": tokens})[0]
+
+    def measure(self, work, concurrency: int, seconds: float) -> Point:
+        """``concurrency`` threads calling ``work()`` back to back for ``seconds``."""
+        latencies: list[float] = []
+        lock = threading.Lock()
+        stop = time.monotonic() + seconds
+
+        def worker():
+            mine = []
+            while time.monotonic() < stop:
+                started = time.monotonic()
+                work()
+                mine.append(time.monotonic() - started)
+            with lock:
+                latencies.extend(mine)
+
+        work()  # warm-up
+        started = time.monotonic()
+        threads = [threading.Thread(target=worker) for _ in range(concurrency)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        return point(concurrency, latencies, time.monotonic() - started)
+
+
+# -- the client orchestrates: three calls per image ------------------------------------------------
+async def client_pipeline(url: str, concurrency: int, count: int) -> Point:
+    """preprocess, then classifier and embedder concurrently, top-5 in the client (gRPC)."""
+    import tritonclient.grpc.aio as grpcaio
+
+    client = grpcaio.InferenceServerClient(url)
+    image = nets.synthetic_images(1, seed=5).numpy()
+    slots = asyncio.Semaphore(concurrency)
+    latencies: list[float] = []
+
+    def tensor(name, data, dtype):
+        t = grpcaio.InferInput(name, list(data.shape), dtype)
+        t.set_data_from_numpy(data)
+        return [t]
+
+    async def one():
+        async with slots:
+            started = time.monotonic()
+            pixels = (await client.infer("preprocess", tensor("IMAGE", image, "UINT8"))).as_numpy("PIXELS")
+            classified, embedded = await asyncio.gather(
+                client.infer("classifier", tensor("PIXELS", pixels, "FP32")),
+                client.infer("embedder", tensor("PIXELS", pixels, "FP32")))
+            pipelines.softmax_top_k(classified.as_numpy("LOGITS"))
+            embedded.as_numpy("EMBEDDING")
+            latencies.append(time.monotonic() - started)
+
+    try:
+        await asyncio.gather(*(one() for _ in range(min(count, 2 * concurrency))))  # warm-up
+        latencies.clear()
+        started = time.monotonic()
+        await asyncio.gather(*(one() for _ in range(count)))
+        return point(concurrency, latencies, time.monotonic() - started)
+    finally:
+        await client.close()
+
+
+# -- synchronous (thread per request) vs asyncio clients ------------------------------------------
+def sync_clients(url: str, model: str, concurrency: int, count: int,
+                 deadline_s: float = 300) -> tuple[Point, int, int]:
+    """``concurrency`` threads making blocking calls on one shared gRPC client (a channel is
+    thread-safe), ``count`` requests in all, stopping by ``deadline_s`` at the latest.
+
+    Returns (point, errors, unanswered)."""
+    import tritonclient.grpc as grpcclient
+
+    image = nets.synthetic_images(1, seed=6).numpy()
+    latencies: list[float] = []
+    errors = 0
+    lock = threading.Lock()
+    remaining = iter(range(count))
+    stop_at = time.monotonic() + deadline_s
+
+    client = grpcclient.InferenceServerClient(url)
+
+    def worker():
+        nonlocal errors
+        while time.monotonic() < stop_at:
+            with lock:
+                if next(remaining, None) is None:
+                    return
+            t = grpcclient.InferInput("IMAGE", list(image.shape), "UINT8")
+            t.set_data_from_numpy(image)
+            started = time.monotonic()
+            try:
+                client.infer(model, [t], client_timeout=120)
+                with lock:
+                    latencies.append(time.monotonic() - started)
+            except Exception:  # noqa: BLE001 - counted
+                with lock:
+                    errors += 1
+
+    started = time.monotonic()
+    try:
+        with concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
+            for _ in range(concurrency):
+                pool.submit(worker)
+    finally:
+        client.close()
+    wall = time.monotonic() - started
+    return point(concurrency, latencies, wall), errors, count - len(latencies) - errors
+
+
+async def async_client(url: str, model: str, concurrency: int, count: int) -> tuple[Point, int, int]:
+    """One asyncio gRPC client with ``concurrency`` requests in flight. Returns (point, errors,
+    unanswered)."""
+    import tritonclient.grpc.aio as grpcaio
+
+    client = grpcaio.InferenceServerClient(url)
+    image = nets.synthetic_images(1, seed=6).numpy()
+    slots = asyncio.Semaphore(concurrency)
+    latencies: list[float] = []
+    errors = 0
+
+    async def one():
+        nonlocal errors
+        async with slots:
+            t = grpcaio.InferInput("IMAGE", list(image.shape), "UINT8")
+            t.set_data_from_numpy(image)
+            started = time.monotonic()
+            try:
+                await client.infer(model, [t], client_timeout=120)
+                latencies.append(time.monotonic() - started)
+            except Exception:  # noqa: BLE001 - counted
+                errors += 1
+
+    started = time.monotonic()
+    try:
+        await asyncio.gather(*(one() for _ in range(count)))
+    finally:
+        await client.close()
+    wall = time.monotonic() - started
+    return point(concurrency, latencies, wall), errors, count - len(latencies) - errors

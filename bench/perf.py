@@ -1,0 +1,112 @@
+"""Run the real perf_analyzer and read its CSV (``-f``) into rows of plain numbers.
+
+perf_analyzer writes latencies in microseconds and sorts CSV rows by throughput; rows here come
+back sorted by concurrency, with latencies in milliseconds. It prints everything on stderr.
+"""
+
+from __future__ import annotations
+
+import csv
+import shlex
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+PERF_ANALYZER = Path(sys.executable).parent / "perf_analyzer"
+
+
+@dataclass
+class Settings:
+    """How long and how carefully to measure. ``quick`` is for smoke tests (seconds, no claims)."""
+
+    window_ms: int = 3000
+    stability: int = 10      # percent, perf_analyzer's default
+    max_trials: int = 10
+    percentile: int = 95
+    quick: bool = False
+
+    def flags(self) -> list[str]:
+        if self.quick:
+            return ["--measurement-mode", "count_windows", "--measurement-request-count", "20",
+                    "--stability-percentage", "1000", "--max-trials", "3",
+                    f"--percentile={self.percentile}"]
+        return ["--measurement-interval", str(self.window_ms),
+                "--stability-percentage", str(self.stability), "--max-trials", str(self.max_trials),
+                f"--percentile={self.percentile}"]
+
+
+@dataclass
+class Point:
+    concurrency: int
+    throughput: float                     # inferences/s
+    p50_ms: float
+    p90_ms: float
+    p95_ms: float
+    p99_ms: float
+    server_queue_ms: float
+    server_compute_ms: float
+    client_send_recv_ms: float
+
+
+@dataclass
+class Run:
+    command: list[str]
+    points: list[Point] = field(default_factory=list)
+    error: str = ""
+
+    @property
+    def command_line(self) -> str:
+        return shlex.join(["perf_analyzer", *self.command[1:]])
+
+
+def run(model: str, url: str, concurrency: list[int], settings: Settings, *,
+        protocol: str = "grpc", extra: list[str] | None = None, timeout: float = 1800) -> Run:
+    """perf_analyzer over ``concurrency`` (each value measured, in order)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        report = Path(tmp) / "report.csv"
+        command = [str(PERF_ANALYZER), "-m", model, "-i", protocol, "-u", url,
+                   *settings.flags(), "-f", str(report), *(extra or [])]
+        result = Run(command)
+        for value in concurrency:
+            one = [*command, "--concurrency-range", f"{value}:{value}"]
+            completed = subprocess.run(one, capture_output=True, text=True, timeout=timeout)
+            output = completed.stdout + completed.stderr
+            if completed.returncode != 0 or not report.exists():
+                result.error = output.strip().splitlines()[-1] if output.strip() else "failed"
+                result.error += f" (concurrency {value})"
+                break
+            result.points += read_csv(report)
+            report.unlink()
+        result.command = [*command, "--concurrency-range", ",".join(map(str, concurrency))]
+        result.points.sort(key=lambda p: p.concurrency)
+        return result
+
+
+def read_csv(path: Path) -> list[Point]:
+    points = []
+    with path.open() as handle:
+        for row in csv.DictReader(handle):
+            us = {k: float(v) for k, v in row.items() if k and v not in ("", None)
+                  and k != "Concurrency" and _is_number(v)}
+            points.append(Point(
+                concurrency=int(float(row["Concurrency"])),
+                throughput=float(row["Inferences/Second"]),
+                p50_ms=us.get("p50 latency", 0) / 1e3, p90_ms=us.get("p90 latency", 0) / 1e3,
+                p95_ms=us.get("p95 latency", 0) / 1e3, p99_ms=us.get("p99 latency", 0) / 1e3,
+                server_queue_ms=us.get("Server Queue", 0) / 1e3,
+                server_compute_ms=(us.get("Server Compute Input", 0) + us.get("Server Compute Infer", 0)
+                                   + us.get("Server Compute Output", 0)) / 1e3,
+                client_send_recv_ms=(us.get("Client Send", 0) + us.get("Client Recv", 0)
+                                     + us.get("Network+Server Send/Recv", 0)) / 1e3,
+            ))
+    return points
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+        return True
+    except ValueError:
+        return False

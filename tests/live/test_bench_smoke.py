@@ -1,0 +1,30 @@
+"""Every benchmark experiment runs end to end on smoke settings (seconds; no thresholds), so the
+benchmark code cannot rot. The real runs are `make bench`, never part of `make test`."""
+
+from __future__ import annotations
+
+import csv
+import json
+
+import pytest
+
+from bench import experiments, perf, report
+
+
+@pytest.fixture(scope="module")
+def context(server, repository):
+    return experiments.Context(server, repository, perf.Settings(quick=True))
+
+
+@pytest.mark.parametrize("name", list(experiments.EXPERIMENTS))
+def test_experiment_runs_and_writes_its_results(name, context, tmp_path):
+    result = experiments.EXPERIMENTS[name](context)
+    assert result.rows, result.summary
+    assert not any("failed" in line for line in result.summary), result.summary
+    report.write(result, tmp_path, "2.51.0", context.settings)
+    rows = list(csv.DictReader((tmp_path / f"{name}.csv").open()))
+    assert rows and all(float(r["throughput"]) > 0 for r in rows)
+    assert json.loads((tmp_path / f"{name}.json").read_text())["quick"] is True
+    assert (tmp_path / f"{name}.png").stat().st_size > 0
+    text = report.assemble(tmp_path).read_text()
+    assert result.title in text and "quick smoke settings" in text
