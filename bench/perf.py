@@ -22,8 +22,11 @@ class Settings:
     """How long and how carefully to measure. ``quick`` is for smoke tests (seconds, no claims)."""
 
     window_ms: int = 3000
-    stability: int = 10      # percent, perf_analyzer's default
-    max_trials: int = 10
+    # perf_analyzer's default is 10 %; with the client on the same 2 cores the ensemble at
+    # concurrency 32 did not settle within 10 trials at 10 % (measured), so allow 15 % and more
+    # trials. The report states the setting.
+    stability: int = 15
+    max_trials: int = 15
     percentile: int = 95
     quick: bool = False
 
@@ -74,9 +77,10 @@ def run(model: str, url: str, concurrency: list[int], settings: Settings, *,
             completed = subprocess.run(one, capture_output=True, text=True, timeout=timeout)
             output = completed.stdout + completed.stderr
             if completed.returncode != 0 or not report.exists():
-                result.error = output.strip().splitlines()[-1] if output.strip() else "failed"
-                result.error += f" (concurrency {value})"
-                break
+                # Record it and go on: one unstable level must not hide the others.
+                reason = output.strip().splitlines()[-1] if output.strip() else "failed"
+                result.error += ("; " if result.error else "") + f"{reason} (concurrency {value})"
+                continue
             result.points += read_csv(report)
             report.unlink()
         result.command = [*command, "--concurrency-range", ",".join(map(str, concurrency))]

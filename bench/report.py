@@ -84,6 +84,16 @@ def plot(result, path: Path) -> None:
     plt.close(fig)
 
 
+def _separate_tables(lines: list[str]) -> list[str]:
+    """A blank line wherever a markdown table starts or ends next to other text."""
+    result: list[str] = []
+    for line in lines:
+        if result and result[-1] and line and result[-1].startswith("|") != line.startswith("|"):
+            result.append("")
+        result.append(line)
+    return result
+
+
 def assemble(out: Path) -> Path:
     metas = {}
     for path in out.glob("*.json"):
@@ -109,7 +119,7 @@ def assemble(out: Path) -> Path:
         lines += [f"## {meta['title']}", "",
                   f"Measured {meta['when']} at commit `{meta['machine']['commit']}`{quick}. "
                   f"Data: [`{name}.csv`]({name}.csv).", ""]
-        lines += meta["summary"] + [""]
+        lines += _separate_tables(meta["summary"]) + [""]
         if (out / f"{name}.png").exists():
             lines += [f"![{meta['title']}]({name}.png)", ""]
         if meta["commands"]:
