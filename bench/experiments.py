@@ -271,10 +271,80 @@ def client_styles(ctx: Context) -> Result:
     return result
 
 
+# -- 6. tuning ----------------------------------------------------------------------------------
+TUNING_DELAYS_US = (100, 500, 2000)
+TUNING_INSTANCES = (1, 2, 4)
+TUNING_LEVELS = (4, 16)
+# p95 budget per sub-model at the highest tuning concurrency: a pipeline request crosses
+# preprocess and then the slower of classifier/embedder.
+TUNING_BUDGET_MS = {"preprocess": 20.0, "classifier": 40.0, "embedder": 40.0}
+
+
+def tuning(ctx: Context) -> Result:
+    """Sweep max_queue_delay_microseconds x instance count per sub-model, each variant on a
+    server of its own model's variants, and pick the highest throughput within the budget."""
+    import itertools
+    import tempfile
+
+    from tritonlocal import ServerOptions, TritonServer
+    from tritonlocal.runtime import free_ports
+
+    result = Result("tuning", "Tuning: batching delay and instance count per sub-model")
+    models = [S.CLASSIFIER] if ctx.quick else [S.PREPROCESS, S.CLASSIFIER, S.EMBEDDER]
+    grid = ([(500, 1), (500, 2)] if ctx.quick
+            else list(itertools.product(TUNING_DELAYS_US, TUNING_INSTANCES)))
+    levels = [4] if ctx.quick else list(TUNING_LEVELS)
+    top = levels[-1]
+    result.summary += [f"Grid: max_queue_delay_microseconds {sorted({d for d, _ in grid})} × "
+                       f"instances {sorted({i for _, i in grid})}; preferred batch sizes as "
+                       f"committed; perf_analyzer at concurrency {levels}; winner = highest "
+                       f"throughput at concurrency {top} whose p95 is within the budget.", "",
+                       "| model | committed (delay µs, instances) | winner | throughput (req/s) "
+                       "| p95 (ms) | budget (ms) |", "|---|---|---|---|---|---|"]
+    for model in models:
+        specs = {(d, i): dataclasses.replace(
+                    model, name=f"{model.name}__d{d}_i{i}", instance_count=i,
+                    batching=dataclasses.replace(model.batching, max_queue_delay_us=d))
+                 for d, i in grid}
+        with tempfile.TemporaryDirectory(prefix="tuning-") as tmp:
+            repo = Path(tmp) / "repo"
+            for spec in specs.values():
+                variants.write_onnx(repo, spec, export.onnx_path(ctx.repository, model))
+            http, grpc, metrics = free_ports(3)
+            options = ServerOptions(repo, http_port=http, grpc_port=grpc, metrics_port=metrics,
+                                    log_file=Path(tmp) / "tritonserver.log")
+            candidates = []
+            with TritonServer(options) as server:
+                for (delay, instances), spec in specs.items():
+                    run = perf.run(spec.name, server.grpc_url, levels, ctx.settings)
+                    result.commands.append(run.command_line)
+                    for p in run.points:
+                        result.add(f"{model.name} delay={delay}us instances={instances}", p,
+                                   model=model.name, delay_us=delay, instances=instances)
+                        if p.concurrency == top:
+                            candidates.append((delay, instances, p))
+        budget = TUNING_BUDGET_MS[model.name]
+        within = [c for c in candidates if c[2].p95_ms <= budget]
+        committed = f"{model.batching.max_queue_delay_us}, {model.instance_count}"
+        if within:
+            delay, instances, p = max(within, key=lambda c: c[2].throughput)
+            result.summary.append(f"| {model.name} | {committed} | {delay}, {instances} | "
+                                  f"{p.throughput:.0f} | {p.p95_ms:.1f} | {budget:.0f} |")
+        else:
+            result.summary.append(f"| {model.name} | {committed} | none within budget | | | "
+                                  f"{budget:.0f} |")
+    result.summary += ["", "On a GPU host, `make bench-tuning` runs the same grid with the "
+                       "instances on the GPUs (KIND_AUTO); apply winners in `bls_models/spec.py` "
+                       "and `make configs`."]
+    result.plot = {"kind": "curve", "title": "Tuning: throughput vs p95 per variant"}
+    return result
+
+
 EXPERIMENTS = {
     "orchestration": orchestration,
     "fanout": fanout,
     "designs": concurrency_designs,
     "large_output": large_output,
     "clients": client_styles,
+    "tuning": tuning,
 }
