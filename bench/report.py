@@ -15,12 +15,16 @@ ORDER = ["orchestration", "fanout", "designs", "large_output", "clients", "tunin
 
 
 def machine() -> dict[str, str]:
-    cpu = "unknown"
+    cpu, simd = "unknown", ""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
+            if line.startswith("model name") and cpu == "unknown":
                 cpu = line.split(":", 1)[1].strip()
-                break
+            if line.startswith("flags") and not simd:
+                # What ONNX Runtime's CPU kernels can use: hosts of the same kind differ here.
+                flags = set(line.split(":", 1)[1].split())
+                simd = "+".join(f for f in ("avx2", "fma", "avx512f", "avx512_vnni", "amx_tile")
+                                if f in flags) or "no avx2"
         memory = next(int(line.split()[1]) for line in Path("/proc/meminfo").read_text().splitlines()
                       if line.startswith("MemTotal")) / 2**20
     except (OSError, StopIteration):
@@ -28,9 +32,13 @@ def machine() -> dict[str, str]:
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                                 text=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--",
+                                ".", ":!bench/results"], capture_output=True, text=True,
+                               timeout=10).stdout.strip()
+        commit += " + uncommitted changes" if dirty and commit else ""
     except OSError:
         commit = ""
-    return {"cpu": cpu, "cores": str(os.cpu_count()), "memory_gib": f"{memory:.0f}",
+    return {"cpu": f"{cpu} ({simd})" if simd else cpu, "cores": str(os.cpu_count()), "memory_gib": f"{memory:.0f}",
             "os": platform.platform(), "python": platform.python_version(), "commit": commit}
 
 
@@ -43,7 +51,7 @@ def write(result, out: Path, triton_version: str, settings) -> None:
             writer.writeheader()
             writer.writerows(result.rows)
     meta = {"name": result.name, "title": result.title, "summary": result.summary,
-            "commands": result.commands, "triton": triton_version, "quick": settings.quick,
+            "commands": result.commands, "data": result.data, "triton": triton_version, "quick": settings.quick,
             "settings": vars(settings), "machine": machine(),
             "when": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
     (out / f"{result.name}.json").write_text(json.dumps(meta, indent=2) + "\n")
@@ -59,19 +67,21 @@ def plot(result, path: Path) -> None:
 
     rows = [r for r in result.rows
             if all(r.get(k) == v for k, v in (result.plot.get("filter") or {}).items())]
+    facet = result.plot.get("facet")
+    if result.plot["kind"] == "curve" and facet:
+        groups = list(dict.fromkeys(r.get(facet) for r in rows))
+        fig, axes = plt.subplots(len(groups), 1, figsize=(9, 4.5 * len(groups)), squeeze=False)
+        for ax, group in zip(axes[:, 0], groups):
+            _curves(ax, [r for r in rows if r.get(facet) == group])
+            ax.set_title(f"{result.plot['title']}: {group}")
+            ax.grid(True, alpha=0.3)
+        fig.tight_layout()
+        fig.savefig(path, dpi=100, bbox_inches="tight")
+        plt.close(fig)
+        return
     fig, ax = plt.subplots(figsize=(8, 5))
     if result.plot["kind"] == "curve":
-        for variant in dict.fromkeys(r["variant"] for r in rows):
-            series = sorted((r for r in rows if r["variant"] == variant), key=lambda r: r["concurrency"])
-            ax.plot([r["p95_ms"] for r in series], [r["throughput"] for r in series], marker="o",
-                    label=variant)
-            for r in series:
-                ax.annotate(str(r["concurrency"]), (r["p95_ms"], r["throughput"]), fontsize=7,
-                            textcoords="offset points", xytext=(3, 3))
-        ax.set_xlabel("p95 latency (ms)")
-        ax.set_ylabel("throughput (inferences/s)")
-        ax.set_xscale("log")
-        ax.legend(fontsize=8)
+        _curves(ax, rows)
     else:
         labels = [r["variant"].replace("`", "") for r in rows]
         ax.barh(labels, [r["p50_ms"] for r in rows])
@@ -82,6 +92,21 @@ def plot(result, path: Path) -> None:
     ax.grid(True, alpha=0.3)
     fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
+
+
+def _curves(ax, rows: list[dict]) -> None:
+    """Throughput against p95, one line per variant, each point labelled with its concurrency."""
+    for variant in dict.fromkeys(r["variant"] for r in rows):
+        series = sorted((r for r in rows if r["variant"] == variant), key=lambda r: r["concurrency"])
+        ax.plot([r["p95_ms"] for r in series], [r["throughput"] for r in series], marker="o",
+                label=variant)
+        for r in series:
+            ax.annotate(str(r["concurrency"]), (r["p95_ms"], r["throughput"]), fontsize=7,
+                        textcoords="offset points", xytext=(3, 3))
+    ax.set_xlabel("p95 latency (ms)")
+    ax.set_ylabel("throughput (inferences/s)")
+    ax.set_xscale("log")
+    ax.legend(fontsize=7)
 
 
 def _separate_tables(lines: list[str]) -> list[str]:
@@ -112,12 +137,16 @@ def assemble(out: Path) -> Path:
                   f"local onnxruntime backend; Python {m['python']}; {m['os']} |",
                   "| client | on the same machine as the server (it competes for the 2 cores) |",
                   "| protocol | gRPC unless a row says otherwise; perf_analyzer from tritonclient 2.50.0 |",
-                  ""]
+                  "", "Absolute figures differ between hosts of this kind by up to 2× (the same "
+                  "classifier measured 3.5 and 7 ms per image on two of them); the ratios, each "
+                  "measured side by side in one run, are what carries over.", ""]
     for name in names:
         meta = metas[name]
         quick = " — **quick smoke settings, not a measurement**" if meta["quick"] else ""
         lines += [f"## {meta['title']}", "",
-                  f"Measured {meta['when']} at commit `{meta['machine']['commit']}`{quick}. "
+                  f"Measured {meta['when']} at commit `{meta['machine']['commit']}`{quick}"
+                  + (f" on {meta['machine']['cpu']}" if meta["machine"]["cpu"] != m["cpu"] else "")
+                  + ". "
                   f"Data: [`{name}.csv`]({name}.csv).", ""]
         lines += _separate_tables(meta["summary"]) + [""]
         if (out / f"{name}.png").exists():

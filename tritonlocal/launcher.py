@@ -169,6 +169,27 @@ class TritonServer:
     def is_running(self) -> bool:
         return self.process is not None and self.process.poll() is None
 
+    def stub_pids(self, model: str) -> list[int]:
+        """The python-backend stub processes of ``model``'s instances (argv[8] is the instance
+        name, ``<model>_<group>_<index>``)."""
+        pids = []
+        if self.process is None:
+            return pids
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                if os.getpgid(int(entry)) != self.process.pid:
+                    continue
+                with open(f"/proc/{entry}/cmdline", "rb") as handle:
+                    argv = handle.read().split(b"\0")
+            except (OSError, ProcessLookupError):
+                continue
+            if (len(argv) > 8 and argv[0].endswith(b"triton_python_backend_stub")
+                    and re.fullmatch(rf"{re.escape(model)}_\d+_\d+", argv[8].decode())):
+                pids.append(int(entry))
+        return sorted(pids)
+
     def log_tail(self, lines: int = 40) -> str:
         if self.log_file is None or not self.log_file.exists():
             return ""

@@ -79,22 +79,7 @@ def inference_count(client, model: str) -> int:
 
 
 def stub_pids(server, model: str) -> list[int]:
-    """The python-backend stub processes of ``model``'s instances (argv[8] is the instance name)."""
-    pids = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            if os.getpgid(int(entry)) != server.process.pid:
-                continue
-            with open(f"/proc/{entry}/cmdline", "rb") as handle:
-                argv = handle.read().split(b"\0")
-        except (OSError, ProcessLookupError):
-            continue
-        if (len(argv) > 8 and argv[0].endswith(b"triton_python_backend_stub")
-                and re.fullmatch(rf"{re.escape(model)}_\d+_\d+", argv[8].decode())):
-            pids.append(int(entry))
-    return pids
+    return server.stub_pids(model)
 
 
 def memory(pid: int) -> dict[str, float]:

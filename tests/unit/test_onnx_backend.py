@@ -50,7 +50,8 @@ def test_batched_model_needs_a_dynamic_batch_axis():
 
 
 def test_threads_split_cores_between_instances():
-    config = config_of(S.CLASSIFIER)  # 2 instances
+    config = config_of(S.CLASSIFIER)
+    config["instance_group"] = [{"count": 2, "kind": "KIND_CPU"}]
     assert lib.thread_counts(config, cpu_count=2) == (1, 1)
     assert lib.thread_counts(config, cpu_count=16) == (8, 1)
     config["instance_group"] = [{"count": 3}, {"count": 1}]

@@ -1,0 +1,162 @@
+"""Where a model's time goes: py-spy samples of its python-backend stubs under perf_analyzer load,
+next to Triton's own per-model breakdown (queue, compute input/infer/output) of every model the
+request touched.
+
+    python -m bench.profile tag_pipeline --stubs tag_pipeline,tagger
+    python -m bench.profile pipeline --concurrency 16 --stubs pipeline
+
+Writes ``bench/results/profile-<model>.md`` (the top functions by own time and by inclusive
+time, per stub) and the raw collapsed stacks beside it (``profile-<model>-<stub>.txt``,
+flamegraph.pl input). Everything runs on the CPU of the machine it measures: py-spy's sampling
+costs a few percent, so read shares, not absolute times.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+from bench import perf
+from tritonlocal import ServerOptions, TritonServer
+from tritonlocal.runtime import free_ports
+
+ROOT = Path(__file__).resolve().parents[1]
+PY_SPY = Path(sys.executable).parent / "py-spy"
+
+
+def collapsed(path: Path) -> list[tuple[list[str], int]]:
+    """py-spy's raw output: one ``frame;frame;...;frame count`` line per distinct stack."""
+    stacks = []
+    for line in path.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        if stack and count.isdigit():
+            stacks.append((stack.split(";"), int(count)))
+    return stacks
+
+
+def top_functions(stacks: list[tuple[list[str], int]], n: int = 15) -> tuple[list, list, int]:
+    """(own time, inclusive time, total samples): function -> samples, most first."""
+    own, inclusive = collections.Counter(), collections.Counter()
+    total = 0
+    for frames, count in stacks:
+        total += count
+        own[_short(frames[-1])] += count
+        for frame in set(_short(f) for f in frames):
+            inclusive[frame] += count
+    return own.most_common(n), inclusive.most_common(n), total
+
+
+def _short(frame: str) -> str:
+    """``function (path/to/file.py:line)`` -> ``function (file.py)``: lines split one function."""
+    name, _, where = frame.partition(" (")
+    file = where.rstrip(")").rsplit(":", 1)[0].rsplit("/", 1)[-1]
+    return f"{name} ({file})" if file else name
+
+
+def model_stats(server: TritonServer) -> dict[str, dict]:
+    """Triton's cumulative per-model statistics (HTTP /v2/models/stats)."""
+    with urllib.request.urlopen(f"http://{server.http_url}/v2/models/stats", timeout=10) as reply:
+        stats = json.load(reply)["model_stats"]
+    out = {}
+    for entry in stats:
+        infer = entry["inference_stats"]
+        out[entry["name"]] = {"count": int(infer["success"]["count"]),
+                              **{k: int(infer[k]["ns"]) for k in
+                                 ("queue", "compute_input", "compute_infer", "compute_output")}}
+    return out
+
+
+def breakdown(before: dict, after: dict) -> list[str]:
+    lines = ["| model | requests | queue (ms) | compute input (ms) | compute infer (ms) | "
+             "compute output (ms) |", "|---|---|---|---|---|---|"]
+    for name, stats in after.items():
+        count = stats["count"] - before.get(name, {}).get("count", 0)
+        if count <= 0:
+            continue
+
+        def per_request(key: str) -> str:
+            return f"{(stats[key] - before.get(name, {}).get(key, 0)) / count / 1e6:.2f}"
+
+        lines.append(f"| {name} | {count} | {per_request('queue')} | "
+                     f"{per_request('compute_input')} | {per_request('compute_infer')} | "
+                     f"{per_request('compute_output')} |")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.profile", description=__doc__.splitlines()[0])
+    parser.add_argument("model", help="the model perf_analyzer drives")
+    parser.add_argument("--stubs", default="", help="comma-separated models whose stubs to sample "
+                        "(default: the driven model)")
+    parser.add_argument("--concurrency", type=int, default=1)
+    parser.add_argument("--seconds", type=int, default=20)
+    parser.add_argument("--input-data", default="zero")
+    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
+    parser.add_argument("--model-repository", type=Path, default=ROOT / "model_repository")
+    args = parser.parse_args(argv)
+    if not PY_SPY.exists():
+        print("py-spy is not installed: `.venv/bin/pip install py-spy`", file=sys.stderr)
+        return 2
+    stubs = [s for s in args.stubs.split(",") if s] or [args.model]
+    args.out.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="profile-") as tmp:
+        http, grpc, metrics = free_ports(3)
+        options = ServerOptions(args.model_repository, http_port=http, grpc_port=grpc,
+                                metrics_port=metrics, log_file=Path(tmp) / "tritonserver.log")
+        with TritonServer(options) as server:
+            load = subprocess.Popen(
+                [str(perf.PERF_ANALYZER), "-m", args.model, "-i", "grpc", "-u", server.grpc_url,
+                 "--input-data", args.input_data, "--concurrency-range",
+                 f"{args.concurrency}:{args.concurrency}", "--measurement-interval",
+                 str(1000 * (args.seconds + 10)), "--stability-percentage", "1000",
+                 "--max-trials", "1"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            time.sleep(5)  # warm up
+            before = model_stats(server)
+            samplers = {}
+            for stub in stubs:
+                for pid in server.stub_pids(stub):
+                    raw = args.out / f"profile-{args.model}-{stub}-{pid}.txt"
+                    samplers[(stub, pid)] = (raw, subprocess.Popen(
+                        [str(PY_SPY), "record", "--pid", str(pid), "--duration", str(args.seconds),
+                         "--rate", "250", "--format", "raw", "--nonblocking", "--output", str(raw)],
+                        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
+            for raw, sampler in samplers.values():
+                sampler.wait(timeout=args.seconds + 60)
+            after = model_stats(server)
+            load.terminate()
+            output, _ = load.communicate(timeout=30)
+    report = [f"# Profile of `{args.model}` at concurrency {args.concurrency}", "",
+              f"`python -m bench.profile {' '.join(argv if argv is not None else sys.argv[1:])}`: "
+              f"perf_analyzer (gRPC, `--input-data {args.input_data}`) drives the model while "
+              f"py-spy samples each stub for {args.seconds} s at 250 Hz; idle threads are left "
+              "out, so the shares are of the stub's busy time.", "",
+              "## Triton's per-model breakdown over the sampled period", "",
+              *breakdown(before, after), ""]
+    for (stub, pid), (raw, _) in samplers.items():
+        if not raw.exists():
+            report += [f"## `{stub}` stub {pid}: py-spy wrote nothing", ""]
+            continue
+        own, inclusive, total = top_functions(collapsed(raw))
+        raw_name = raw.name
+        report += [f"## `{stub}` stub (pid {pid}): {total} samples, all threads "
+                   f"([collapsed stacks]({raw_name}))", "",
+                   "| own time | function | | inclusive | function |", "|---|---|---|---|---|"]
+        for (f_own, n_own), (f_inc, n_inc) in zip(own, inclusive):
+            report.append(f"| {100 * n_own / total:.1f} % | `{f_own}` | | "
+                          f"{100 * n_inc / total:.1f} % | `{f_inc}` |")
+        report.append("")
+    path = args.out / f"profile-{args.model}.md"
+    path.write_text("\n".join(report) + "\n")
+    print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
