@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -73,6 +74,49 @@ def model_stats(server: TritonServer) -> dict[str, dict]:
     return out
 
 
+def cpu_seconds(server: TritonServer, others: dict[str, int]) -> dict[str, float]:
+    """CPU time (user + system, seconds) so far of the server, of each model's stubs (summed per
+    model) and of ``others`` (label -> pid, e.g. the load generator)."""
+    tick = os.sysconf("SC_CLK_TCK")
+
+    def of(pid: int) -> float:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            return 0.0
+        return (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+
+    out = collections.Counter({"tritonserver": of(server.process.pid)})
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and int(entry) != server.process.pid:
+            try:
+                if os.getpgid(int(entry)) != server.process.pid:
+                    continue
+                argv = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
+            except (OSError, ProcessLookupError):
+                continue
+            name = (argv[8].decode().rsplit("_", 2)[0] if len(argv) > 8
+                    and argv[0].endswith(b"triton_python_backend_stub") else "other")
+            out[f"{name} stubs"] += of(int(entry))
+    for label, pid in others.items():
+        out[label] += of(pid)
+    return dict(out)
+
+
+def cpu_table(before: dict, after: dict, seconds: float, requests: int) -> list[str]:
+    used = {k: after[k] - before.get(k, 0.0) for k in after}
+    total = sum(used.values())
+    lines = [f"{total / seconds:.2f} of the machine's {os.cpu_count()} cores were busy in these "
+             f"processes ({requests} requests: {1000 * total / max(requests, 1):.1f} ms of CPU "
+             "per request).", "", "| process | cores busy | share | CPU ms per request |",
+             "|---|---|---|---|"]
+    for name, value in sorted(used.items(), key=lambda kv: -kv[1]):
+        if value > 0:
+            lines.append(f"| {name} | {value / seconds:.2f} | {100 * value / total:.0f} % | "
+                         f"{1000 * value / max(requests, 1):.2f} |")
+    return lines
+
+
 def breakdown(before: dict, after: dict) -> list[str]:
     lines = ["| model | requests | queue (ms) | compute input (ms) | compute infer (ms) | "
              "compute output (ms) |", "|---|---|---|---|---|---|"]
@@ -94,17 +138,19 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.profile", description=__doc__.splitlines()[0])
     parser.add_argument("model", help="the model perf_analyzer drives")
     parser.add_argument("--stubs", default="", help="comma-separated models whose stubs to sample "
-                        "(default: the driven model)")
+                        "(default: the driven model; `none`: CPU accounting only, no py-spy)")
     parser.add_argument("--concurrency", type=int, default=1)
     parser.add_argument("--seconds", type=int, default=20)
     parser.add_argument("--input-data", default="zero")
+    parser.add_argument("--rate", type=int, default=100, help="py-spy samples per second")
+    parser.add_argument("--native", action="store_true", help="py-spy --native (C/C++ frames)")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     parser.add_argument("--model-repository", type=Path, default=ROOT / "model_repository")
     args = parser.parse_args(argv)
     if not PY_SPY.exists():
         print("py-spy is not installed: `.venv/bin/pip install py-spy`", file=sys.stderr)
         return 2
-    stubs = [s for s in args.stubs.split(",") if s] or [args.model]
+    stubs = [] if args.stubs == "none" else [s for s in args.stubs.split(",") if s] or [args.model]
     args.out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="profile-") as tmp:
         http, grpc, metrics = free_ports(3)
@@ -119,25 +165,38 @@ def main(argv: list[str] | None = None) -> int:
                  "--max-trials", "1"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
             time.sleep(5)  # warm up
             before = model_stats(server)
+            cpu_before = cpu_seconds(server, {"perf_analyzer (client)": load.pid})
+            started = time.monotonic()
             samplers = {}
             for stub in stubs:
                 for pid in server.stub_pids(stub):
                     raw = args.out / f"profile-{args.model}-{stub}-{pid}.txt"
                     samplers[(stub, pid)] = (raw, subprocess.Popen(
                         [str(PY_SPY), "record", "--pid", str(pid), "--duration", str(args.seconds),
-                         "--rate", "250", "--format", "raw", "--nonblocking", "--output", str(raw)],
+                         "--rate", str(args.rate), "--format", "raw", "--nonblocking", *(["--native"] if args.native else []), "--output", str(raw)],
                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
+            if not samplers:
+                time.sleep(args.seconds)
             for raw, sampler in samplers.values():
                 sampler.wait(timeout=args.seconds + 60)
             after = model_stats(server)
+            cpu_after = cpu_seconds(server, {"perf_analyzer (client)": load.pid})
+            elapsed = time.monotonic() - started
             load.terminate()
             output, _ = load.communicate(timeout=30)
     report = [f"# Profile of `{args.model}` at concurrency {args.concurrency}", "",
               f"`python -m bench.profile {' '.join(argv if argv is not None else sys.argv[1:])}`: "
               f"perf_analyzer (gRPC, `--input-data {args.input_data}`) drives the model while "
-              f"py-spy samples each stub for {args.seconds} s at 250 Hz; idle threads are left "
+              f"py-spy samples each stub for {args.seconds} s at {args.rate} Hz; idle threads are left "
               "out, so the shares are of the stub's busy time.", "",
+              "## Where the CPU went over the sampled period", "",
+              *cpu_table(cpu_before, cpu_after, elapsed,
+                         after.get(args.model, {}).get("count", 0)
+                         - before.get(args.model, {}).get("count", 0)), "",
+              "(py-spy's own sampling is not included; it runs beside these processes.)", "",
               "## Triton's per-model breakdown over the sampled period", "",
+              "Per request, averaged; a batched execution counts its whole duration for each "
+              "request in the batch.", "",
               *breakdown(before, after), ""]
     for (stub, pid), (raw, _) in samplers.items():
         if not raw.exists():
