@@ -31,6 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     names = args.experiment or list(experiments.EXPERIMENTS)
     settings = perf.Settings(quick=args.quick)
+    report.started()  # the commit being measured, before anything can change the tree
     if not perf.PERF_ANALYZER.exists():
         print("perf_analyzer is not installed: run `make venv`", file=sys.stderr)
         return 2

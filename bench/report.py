@@ -42,6 +42,17 @@ def machine() -> dict[str, str]:
             "os": platform.platform(), "python": platform.python_version(), "commit": commit}
 
 
+_STARTED: dict[str, str] = {}
+
+
+def started() -> dict[str, str]:
+    """The machine and commit as of the first call (``python -m bench`` calls it before it
+    measures), so later edits to the tree are not attributed to this run."""
+    if not _STARTED:
+        _STARTED.update(machine())
+    return dict(_STARTED)
+
+
 def write(result, out: Path, triton_version: str, settings) -> None:
     out.mkdir(parents=True, exist_ok=True)
     if result.rows:
@@ -52,7 +63,7 @@ def write(result, out: Path, triton_version: str, settings) -> None:
             writer.writerows(result.rows)
     meta = {"name": result.name, "title": result.title, "summary": result.summary,
             "commands": result.commands, "data": result.data, "triton": triton_version, "quick": settings.quick,
-            "settings": vars(settings), "machine": machine(),
+            "settings": vars(settings), "machine": started(),
             "when": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
     (out / f"{result.name}.json").write_text(json.dumps(meta, indent=2) + "\n")
     if result.plot and result.rows:

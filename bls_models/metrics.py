@@ -2,13 +2,18 @@
 
 All families are declared here, once, with names starting ``bls_``; every metric is labelled
 with the orchestrator's ``model`` name. The families are created through
-``pb_utils.MetricFamily`` (passed in, so this module imports without Triton). Each metric call
-is an IPC round trip to the Triton process: callers make them on the runtime's event-loop thread
-under its pb_utils lock.
+``pb_utils.MetricFamily`` (passed in, so this module imports without Triton).
+
+Each pb_utils metric call is an IPC round trip to the Triton process, and a request made 13 of
+them: counters and gauges are therefore added up here and published by ``flush()`` (the runtime
+calls it every ``FLUSH_SECONDS``, and at shutdown), one call per changed series. Histogram
+observations cannot be merged through pb_utils and are sent as they come. All calls happen under
+the runtime's pb_utils lock.
 """
 
 from __future__ import annotations
 
+FLUSH_SECONDS = 0.2  # how stale a scraped counter or gauge may be
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 # name -> (kind, description)
@@ -45,6 +50,7 @@ class Metrics:
         self._families = {name: pb_utils.MetricFamily(name=name, description=text, kind=kinds[kind])
                           for name, (kind, text) in FAMILIES.items()}
         self._metrics: dict[tuple, object] = {}
+        self._pending: dict[tuple, float] = {}  # counter/gauge increments not yet published
 
     def _metric(self, family: str, **labels: str):
         key = (family, *sorted(labels.items()))
@@ -60,9 +66,24 @@ class Metrics:
         self._metric(family, **labels).observe(seconds)
 
     def increment(self, family: str, value: float = 1.0, **labels: str) -> None:
-        self._metric(family, **labels).increment(value)
+        """Counters and gauges: added up locally, published by the next ``flush()``."""
+        key = (family, *sorted(labels.items()))
+        self._pending[key] = self._pending.get(key, 0.0) + value
+
+    def flush(self) -> int:
+        """Publish the pending increments (a gauge's +1/-1 that cancelled out costs nothing).
+        Returns the number of pb_utils calls made."""
+        pending, self._pending = self._pending, {}
+        calls = 0
+        for (family, *labels), value in pending.items():
+            if value:
+                self._metric(family, **dict(labels)).increment(value)
+                calls += 1
+        return calls
 
     def close(self) -> None:
-        """Metrics must go before their families (python backend rule)."""
+        """Publish what is pending; then metrics must go before their families (python backend
+        rule)."""
+        self.flush()
         self._metrics.clear()
         self._families.clear()

@@ -50,7 +50,7 @@ from bls_models import spec as S
 from bls_models.deadline import Deadline
 from bls_models.errors import (Cancelled, Code, DeadlineExceeded, Kind, PipelineError,
                                sub_request_failed)
-from bls_models.metrics import Metrics
+from bls_models.metrics import FLUSH_SECONDS, Metrics
 from bls_models.pipelines import Reduce
 
 _NUMPY = {"TYPE_UINT8": np.uint8, "TYPE_INT64": np.int64, "TYPE_FP32": np.float32,
@@ -109,6 +109,7 @@ class Orchestrator:
         self.thread = threading.Thread(target=self.loop.run_forever, name=f"{self.model}-loop",
                                        daemon=True)
         self.thread.start()
+        self.loop.call_soon_threadsafe(self._flush_metrics)
         self.log(f"orchestrating '{pipeline}': " + ", ".join(
             f"{s.name} -> {s.model}" + (f" (timeout {s.timeout_ms} ms)" if s.timeout_ms else "")
             for s in self.config.stages.values())
@@ -315,6 +316,12 @@ class Orchestrator:
             pass
 
     # -- metrics helpers (event loop thread) ------------------------------------------------------
+    def _flush_metrics(self) -> None:
+        """Publish pending counter/gauge increments, then again in FLUSH_SECONDS."""
+        with self.lock:
+            self.metrics.flush()
+        self.loop.call_later(FLUSH_SECONDS, self._flush_metrics)
+
     def _count(self, family: str, stage: str, **labels: str) -> None:
         with self.lock:
             self.metrics.increment(family, stage=stage, **labels)

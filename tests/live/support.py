@@ -13,6 +13,7 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
+from bls_models.metrics import FLUSH_SECONDS
 from modelgen import nets
 
 # Triton error code -> what each protocol's client reports.
@@ -61,7 +62,11 @@ def metrics_text(server) -> str:
 
 
 def metric(server, name: str, **labels: str) -> float:
-    """Sum of the samples of ``name`` whose labels include ``labels`` (0 when absent)."""
+    """Sum of the samples of ``name`` whose labels include ``labels`` (0 when absent).
+
+    Waits first for the orchestrators to publish their counters and gauges (every
+    ``FLUSH_SECONDS``), so what happened before the call is counted."""
+    time.sleep(FLUSH_SECONDS + 0.15)
     total = 0.0
     for line in metrics_text(server).splitlines():
         match = re.match(rf"^{re.escape(name)}\{{(.*)\}} (\S+)$", line)
