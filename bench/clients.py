@@ -84,7 +84,43 @@ class InProcess:
             thread.start()
         for thread in threads:
             thread.join()
+        self.calls = len(latencies) + 1  # with the warm-up, for CPU accounting
         return point(concurrency, latencies, time.monotonic() - started)
+
+    def cpu_per_request(self, work, concurrency: int, seconds: float) -> tuple[Point, float]:
+        """``measure``, and the CPU milliseconds this process used per call meanwhile."""
+        before = time.process_time()
+        measured = self.measure(work, concurrency, seconds)
+        return measured, 1000 * (time.process_time() - before) / self.calls
+
+
+# -- one model alone, one request at a time ---------------------------------------------------------
+def sequential_latency(url: str, model: str, inputs: dict[str, np.ndarray], count: int) -> Point:
+    """``count`` requests one after another (after a warm-up) on one gRPC client: concurrency 1,
+    with no stability criterion to miss (perf_analyzer's failed on the few-ms stages here)."""
+    import tritonclient.grpc as grpcclient
+
+    client = grpcclient.InferenceServerClient(url)
+    tensors = []
+    for name, data in inputs.items():
+        tensor = grpcclient.InferInput(name, list(data.shape), _TRITON_DTYPES[data.dtype.name])
+        tensor.set_data_from_numpy(data)
+        tensors.append(tensor)
+    latencies = []
+    try:
+        for _ in range(min(20, count)):
+            client.infer(model, tensors)
+        started = time.monotonic()
+        for _ in range(count):
+            sent = time.monotonic()
+            client.infer(model, tensors)
+            latencies.append(time.monotonic() - sent)
+        return point(1, latencies, time.monotonic() - started)
+    finally:
+        client.close()
+
+
+_TRITON_DTYPES = {"uint8": "UINT8", "float32": "FP32", "int64": "INT64"}
 
 
 # -- the client orchestrates: three calls per image ------------------------------------------------

@@ -22,6 +22,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 
 from bench import perf
@@ -103,8 +104,8 @@ def cpu_seconds(server: TritonServer, others: dict[str, int]) -> dict[str, float
     return dict(out)
 
 
-def cpu_table(before: dict, after: dict, seconds: float, requests: int) -> list[str]:
-    used = {k: after[k] - before.get(k, 0.0) for k in after}
+def cpu_table(measured: "Load") -> list[str]:
+    used, seconds, requests = measured.cpu, measured.seconds, measured.requests
     total = sum(used.values())
     lines = [f"{total / seconds:.2f} of the machine's {os.cpu_count()} cores were busy in these "
              f"processes ({requests} requests: {1000 * total / max(requests, 1):.1f} ms of CPU "
@@ -134,6 +135,51 @@ def breakdown(before: dict, after: dict) -> list[str]:
     return lines
 
 
+@dataclass
+class Load:
+    """What happened while perf_analyzer drove one model for a fixed period."""
+
+    cpu: dict[str, float]      # label -> CPU seconds used over the period
+    requests: int              # requests the driven model completed over the period
+    seconds: float
+    stats_before: dict
+    stats_after: dict
+
+    def cpu_ms_per_request(self) -> dict[str, float]:
+        return {k: 1000 * v / max(self.requests, 1) for k, v in self.cpu.items()}
+
+
+def drive(server: TritonServer, model: str, concurrency: int, seconds: float,
+          input_data: str = "zero", during=None, warmup: float = 5.0) -> Load:
+    """Drive ``model`` with perf_analyzer at ``concurrency``; after ``warmup`` seconds, account
+    for ``seconds`` of it (CPU of every process, Triton's per-model statistics). ``during()``, if
+    given, runs in the measured period instead of a sleep (py-spy samplers wait there)."""
+    load = subprocess.Popen(
+        [str(perf.PERF_ANALYZER), "-m", model, "-i", "grpc", "-u", server.grpc_url,
+         "--input-data", input_data, "--concurrency-range", f"{concurrency}:{concurrency}",
+         "--measurement-interval", str(int(1000 * (seconds + warmup + 30))),
+         "--stability-percentage", "1000", "--max-trials", "1"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        time.sleep(warmup)
+        before = model_stats(server)
+        cpu_before = cpu_seconds(server, {"perf_analyzer (client)": load.pid})
+        started = time.monotonic()
+        if during is None:
+            time.sleep(seconds)
+        else:
+            during()
+        after = model_stats(server)
+        cpu_after = cpu_seconds(server, {"perf_analyzer (client)": load.pid})
+        elapsed = time.monotonic() - started
+    finally:
+        load.terminate()
+        load.communicate(timeout=30)
+    used = {k: cpu_after[k] - cpu_before.get(k, 0.0) for k in cpu_after}
+    requests = (after.get(model, {}).get("count", 0) - before.get(model, {}).get("count", 0))
+    return Load({k: v for k, v in used.items() if v > 0}, requests, elapsed, before, after)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.profile", description=__doc__.splitlines()[0])
     parser.add_argument("model", help="the model perf_analyzer drives")
@@ -147,57 +193,51 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     parser.add_argument("--model-repository", type=Path, default=ROOT / "model_repository")
     args = parser.parse_args(argv)
-    if not PY_SPY.exists():
-        print("py-spy is not installed: `.venv/bin/pip install py-spy`", file=sys.stderr)
-        return 2
     stubs = [] if args.stubs == "none" else [s for s in args.stubs.split(",") if s] or [args.model]
+    if stubs and not PY_SPY.exists():
+        print("py-spy is not installed: `.venv/bin/pip install py-spy` (or --stubs none)",
+              file=sys.stderr)
+        return 2
     args.out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="profile-") as tmp:
         http, grpc, metrics = free_ports(3)
         options = ServerOptions(args.model_repository, http_port=http, grpc_port=grpc,
                                 metrics_port=metrics, log_file=Path(tmp) / "tritonserver.log")
         with TritonServer(options) as server:
-            load = subprocess.Popen(
-                [str(perf.PERF_ANALYZER), "-m", args.model, "-i", "grpc", "-u", server.grpc_url,
-                 "--input-data", args.input_data, "--concurrency-range",
-                 f"{args.concurrency}:{args.concurrency}", "--measurement-interval",
-                 str(1000 * (args.seconds + 10)), "--stability-percentage", "1000",
-                 "--max-trials", "1"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-            time.sleep(5)  # warm up
-            before = model_stats(server)
-            cpu_before = cpu_seconds(server, {"perf_analyzer (client)": load.pid})
-            started = time.monotonic()
             samplers = {}
-            for stub in stubs:
-                for pid in server.stub_pids(stub):
-                    raw = args.out / f"profile-{args.model}-{stub}-{pid}.txt"
-                    samplers[(stub, pid)] = (raw, subprocess.Popen(
-                        [str(PY_SPY), "record", "--pid", str(pid), "--duration", str(args.seconds),
-                         "--rate", str(args.rate), "--format", "raw", "--nonblocking", *(["--native"] if args.native else []), "--output", str(raw)],
-                        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
-            if not samplers:
-                time.sleep(args.seconds)
-            for raw, sampler in samplers.values():
-                sampler.wait(timeout=args.seconds + 60)
-            after = model_stats(server)
-            cpu_after = cpu_seconds(server, {"perf_analyzer (client)": load.pid})
-            elapsed = time.monotonic() - started
-            load.terminate()
-            output, _ = load.communicate(timeout=30)
+
+            def sample() -> None:
+                for stub in stubs:
+                    for pid in server.stub_pids(stub):
+                        raw = args.out / f"profile-{args.model}-{stub}-{pid}.txt"
+                        # --native needs the stub stopped while it reads native stacks.
+                        mode = ["--native"] if args.native else ["--nonblocking"]
+                        samplers[(stub, pid)] = (raw, subprocess.Popen(
+                            [str(PY_SPY), "record", "--pid", str(pid), "--duration",
+                             str(args.seconds), "--rate", str(args.rate), "--format", "raw",
+                             *mode, "--output", str(raw)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
+                if not samplers:
+                    time.sleep(args.seconds)
+                for _, sampler in samplers.values():
+                    sampler.wait(timeout=args.seconds + 60)
+
+            measured = drive(server, args.model, args.concurrency, args.seconds,
+                             args.input_data, during=sample)
     report = [f"# Profile of `{args.model}` at concurrency {args.concurrency}", "",
               f"`python -m bench.profile {' '.join(argv if argv is not None else sys.argv[1:])}`: "
-              f"perf_analyzer (gRPC, `--input-data {args.input_data}`) drives the model while "
-              f"py-spy samples each stub for {args.seconds} s at {args.rate} Hz; idle threads are left "
-              "out, so the shares are of the stub's busy time.", "",
+              f"perf_analyzer (gRPC, `--input-data {args.input_data}`) drives the model; "
+              + (f"py-spy samples each stub for {args.seconds} s at {args.rate} Hz; idle threads are "
+                 "left out, so the shares are of the stub's busy time." if stubs else
+                 f"CPU and Triton's statistics are accounted over {args.seconds} s (no py-spy)."),
+              "",
               "## Where the CPU went over the sampled period", "",
-              *cpu_table(cpu_before, cpu_after, elapsed,
-                         after.get(args.model, {}).get("count", 0)
-                         - before.get(args.model, {}).get("count", 0)), "",
+              *cpu_table(measured), "",
               "(py-spy's own sampling is not included; it runs beside these processes.)", "",
               "## Triton's per-model breakdown over the sampled period", "",
               "Per request, averaged; a batched execution counts its whole duration for each "
               "request in the batch.", "",
-              *breakdown(before, after), ""]
+              *breakdown(measured.stats_before, measured.stats_after), ""]
     for (stub, pid), (raw, _) in samplers.items():
         if not raw.exists():
             report += [f"## `{stub}` stub {pid}: py-spy wrote nothing", ""]
