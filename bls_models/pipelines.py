@@ -91,14 +91,20 @@ def _reduce_tagger_outputs(outputs: dict[str, np.ndarray]) -> dict[str, np.ndarr
     return {"TAGS": tags, "TAG_PROBS": probs}
 
 
-async def tag_pipeline(inputs: dict[str, np.ndarray], call: SubModelCall) -> dict[str, np.ndarray]:
+async def tag_pipeline(inputs: dict[str, np.ndarray], call: SubModelCall,
+                       reduced_by_model: bool = True) -> dict[str, np.ndarray]:
     """TOKENS -> tagger -> TAGS, TAG_PROBS.
 
-    The 28.7 MB-per-sequence logits never leave the server, and are reduced where they land (no
-    copy): the caller runs the reduction on the sub-response's memory, off the event loop.
+    The 28.7 MB-per-sequence logits never leave the server. With ``reduced_by_model`` the
+    tagger stage's model computes TAGS and TAG_PROBS in its own graph (``tagger_tags``), so the
+    logits never leave ONNX Runtime either. Otherwise the stage model returns LOGITS and they are
+    reduced where they land (no copy): the caller runs the reduction on the sub-response's
+    memory, off the event loop.
     """
     tokens = inputs["TOKENS"]
     validate_tokens(tokens)
+    if reduced_by_model:
+        return await call("tagger", {"TOKENS": tokens}, ["TAGS", "TAG_PROBS"])
     return await call("tagger", {"TOKENS": tokens}, ["LOGITS"], reduce=_reduce_tagger_outputs)
 
 

@@ -21,12 +21,13 @@ def load_config(path: Path):
     return text_format.Parse(path.read_text(), model_config_pb2.ModelConfig())
 
 
-def stage_problems(repositories: list[Path], stages: dict[str, Stage],
-                   contracts: dict[str, S.ModelSpec]) -> list[str]:
-    """Every problem with the stage models, looked up in ``repositories`` in order."""
-    from tritonclient.grpc import model_config_pb2
-
-    problems = []
+def resolve_stages(repositories: list[Path], stages: dict[str, Stage],
+                   contracts: dict[str, tuple[S.ModelSpec, ...]]
+                   ) -> tuple[dict[str, S.ModelSpec], list[str]]:
+    """The contract each stage's model meets (the first of the stage's accepted ones), looked up
+    in ``repositories`` in order, and every problem found."""
+    chosen: dict[str, S.ModelSpec] = {}
+    problems: list[str] = []
     for name, stage in stages.items():
         where = f"stage '{name}' (parameter {name}_model = '{stage.model}')"
         candidates = [r / stage.model / "config.pbtxt" for r in repositories]
@@ -40,15 +41,38 @@ def stage_problems(repositories: list[Path], stages: dict[str, Stage],
         except Exception as error:  # noqa: BLE001 - any parse failure is reported as such
             problems.append(f"{where}: cannot parse {path}: {error}")
             continue
-        tensors = {t.name: (model_config_pb2.DataType.Name(t.data_type), tuple(t.dims))
-                   for t in (*config.input, *config.output)}
-        contract = contracts[name]
-        for tensor in (*contract.inputs, *contract.outputs):
-            found = tensors.get(tensor.name)
-            if found is None:
-                problems.append(f"{where}: model '{stage.model}' has no tensor '{tensor.name}'")
-            elif found != (tensor.dtype, tensor.dims):
-                problems.append(f"{where}: tensor '{tensor.name}' of '{stage.model}' is "
-                                f"{found[0]} {list(found[1])}, the stage needs {tensor.dtype} "
-                                f"{list(tensor.dims)}")
+        accepted = contracts[name]
+        mismatches = [_mismatches(config, stage.model, contract) for contract in accepted]
+        fit = next((c for c, m in zip(accepted, mismatches) if not m), None)
+        if fit is not None:
+            chosen[name] = fit
+        elif len(accepted) == 1:
+            problems += [f"{where}: {m}" for m in mismatches[0]]
+        else:
+            problems.append(f"{where}: model '{stage.model}' meets none of the stage's contracts: "
+                            + "; ".join(f"like '{c.name}', " + ", ".join(m)
+                                        for c, m in zip(accepted, mismatches)))
+    return chosen, problems
+
+
+def stage_problems(repositories: list[Path], stages: dict[str, Stage],
+                   contracts: dict[str, tuple[S.ModelSpec, ...]]) -> list[str]:
+    """Every problem with the stage models (see ``resolve_stages``)."""
+    return resolve_stages(repositories, stages, contracts)[1]
+
+
+def _mismatches(config, model: str, contract: S.ModelSpec) -> list[str]:
+    """How a parsed model config falls short of ``contract``'s tensors."""
+    from tritonclient.grpc import model_config_pb2
+
+    tensors = {t.name: (model_config_pb2.DataType.Name(t.data_type), tuple(t.dims))
+               for t in (*config.input, *config.output)}
+    problems = []
+    for tensor in (*contract.inputs, *contract.outputs):
+        found = tensors.get(tensor.name)
+        if found is None:
+            problems.append(f"model '{model}' has no tensor '{tensor.name}'")
+        elif found != (tensor.dtype, tensor.dims):
+            problems.append(f"tensor '{tensor.name}' of '{model}' is {found[0]} "
+                            f"{list(found[1])}, the stage needs {tensor.dtype} {list(tensor.dims)}")
     return problems

@@ -86,11 +86,13 @@ class Orchestrator:
         config = json.loads(args["model_config"])
         contracts = S.STAGES[pipeline]
         self.config = params.parse(params.string_parameters(config),
-                                   {stage: spec.name for stage, spec in contracts.items()})
+                                   {stage: accepted[0].name for stage, accepted in contracts.items()})
         # This model's own repository first (the parent of its directory), then any others.
         repositories = [Path(args["model_repository"]).parent,
                         *(Path(p) for p in self.config.stage_model_repositories)]
-        problems = repository.stage_problems(repositories, self.config.stages, contracts)
+        # Which contract each stage model meets decides, e.g., whether the tagger reduces.
+        self.contracts, problems = repository.resolve_stages(repositories, self.config.stages,
+                                                             contracts)
         if problems:
             raise params.ConfigError("; ".join(problems))
         self.input_names = [t["name"] for t in config["input"]]
@@ -111,7 +113,8 @@ class Orchestrator:
         self.thread.start()
         self.loop.call_soon_threadsafe(self._flush_metrics)
         self.log(f"orchestrating '{pipeline}': " + ", ".join(
-            f"{s.name} -> {s.model}" + (f" (timeout {s.timeout_ms} ms)" if s.timeout_ms else "")
+            f"{s.name} -> {s.model} (as {self.contracts[s.name].name})"
+            + (f" (timeout {s.timeout_ms} ms)" if s.timeout_ms else "")
             for s in self.config.stages.values())
             + f"; default deadline {self.config.default_deadline_ms} ms, "
             f"{self.config.concurrency_mode}, fan-out {self.config.fanout}")
@@ -185,7 +188,8 @@ class Orchestrator:
         call = functools.partial(self._call, job)
         if self.pipeline == "pipeline":
             return await pipelines.image_pipeline(job.inputs, call, self.config.fanout)
-        return await pipelines.tag_pipeline(job.inputs, call)
+        return await pipelines.tag_pipeline(job.inputs, call,
+                                            S.reduces_tags(self.contracts["tagger"]))
 
     def _send(self, job: Job, outputs: dict[str, np.ndarray] | None,
               error: PipelineError | None) -> None:

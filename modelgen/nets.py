@@ -184,6 +184,20 @@ class Tagger(nn.Module):
         return self.head(x)                                      # [B, T, vocab]
 
 
+class TaggerTags(nn.Module):
+    """The tagger with its reduction in the graph: per-token argmax and that token's softmax
+    probability. Only these 8 bytes per token leave ONNX Runtime; the logits stay inside it."""
+
+    def __init__(self, tagger: Tagger) -> None:
+        super().__init__()
+        self.tagger = tagger
+
+    def forward(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = self.tagger(tokens)
+        # One fused softmax (ONNX Softmax) and a max over it: p(argmax) = max(softmax).
+        return logits.argmax(dim=-1), torch.softmax(logits, dim=-1).amax(dim=-1)
+
+
 class Postprocess(nn.Module):
     """Class logits -> top-k class ids and their softmax probabilities, most probable first."""
 
@@ -197,7 +211,9 @@ class Postprocess(nn.Module):
 
 
 # A distinct, fixed seed per model: every export of a model is bit-identical.
-SEEDS = {"preprocess": 0, "classifier": 1, "embedder": 2, "tagger": 3, "postprocess": 4}
+# tagger_tags is the tagger with a reduction on top: the same seed, so the same weights.
+SEEDS = {"preprocess": 0, "classifier": 1, "embedder": 2, "tagger": 3, "tagger_tags": 3,
+         "postprocess": 4}
 
 
 def build(name: str, size: str = "small") -> nn.Module:
@@ -210,6 +226,7 @@ def build(name: str, size: str = "small") -> nn.Module:
         "classifier": lambda: Classifier(RESNET[size]),
         "embedder": lambda: Embedder(MOBILE[size]),
         "tagger": lambda: Tagger(TAGGER_HIDDEN[size]),
+        "tagger_tags": lambda: TaggerTags(Tagger(TAGGER_HIDDEN[size])),
         "postprocess": Postprocess,
     }
     net = factories[name]()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 
 import numpy as np
+import pytest
 
 from bls_models import spec as S
 from tests.live.support import drive, image, memory, stub_pids
@@ -26,9 +27,9 @@ def run(server, model, count, data, name, dtype):
     assert errors == [], f"{len(errors)} errors, e.g. {errors[:2]}"
 
 
-def measure(server, model, warm_up, requests, data, name, dtype, region_cap_mib):
+def measure(server, model, warm_up, requests, data, name, dtype, region_cap_mib, base=None):
     pids = stub_pids(server, model)
-    assert len(pids) == S.model(model).instance_count
+    assert len(pids) == S.model(base or model).instance_count
     run(server, model, warm_up, data, name, dtype)
     before = {pid: memory(pid) for pid in pids}
     run(server, model, requests, data, name, dtype)
@@ -48,10 +49,16 @@ def test_pipeline_stub_memory_is_flat_over_10000_requests(server):
             region_cap_mib=32 + 2 * 32 * 2)
 
 
-def test_tag_pipeline_stub_memory_is_flat(server):
-    """The 28.7 MB-per-sequence logits pass through the orchestrator; none of them may stay."""
+@pytest.mark.parametrize("model, region_cap_mib", [
+    # Over tagger_tags (committed): 8 bytes per token come back; the region never needs to grow
+    # past its 32 MiB start.
+    ("tag_pipeline", 32),
+    # Over the logits tagger: the 28.7 MB-per-sequence logits pass through the orchestrator and
+    # none of them may stay. At most 8 tagger responses (subrequest_threads) of 28.7 MB alive at
+    # once, twice that for fragmentation, plus the 32 MiB start.
+    ("tag_pipeline_logits", 32 + 2 * 8 * 28.7),
+])
+def test_tag_pipeline_stub_memory_is_flat(server, model, region_cap_mib):
     data = np.random.default_rng(0).integers(0, S.TAGGER_VOCAB, (1, S.TAGGER_SEQ_LEN))
-    # At most 8 tagger responses (subrequest_threads) of 28.7 MB alive at once, twice that for
-    # fragmentation, plus the 32 MiB start.
-    measure(server, "tag_pipeline", 100, 1_000, data, "TOKENS", "INT64",
-            region_cap_mib=32 + 2 * 8 * 28.7)
+    measure(server, model, 100, 1_000, data, "TOKENS", "INT64", region_cap_mib=region_cap_mib,
+            base="tag_pipeline")

@@ -148,11 +148,12 @@ def test_a_failing_sub_model_gives_internal_naming_stage_and_model(protocol, cli
 def test_out_of_range_tokens_are_invalid_argument(protocol, client_for, grpc_client):
     tokens = np.zeros((1, S.TAGGER_SEQ_LEN), np.int64)
     tokens[0, 10] = S.TAGGER_VOCAB
-    before = inference_count(grpc_client, "tagger")
+    stage_model = S.TAG_PIPELINE.parameters["tagger_model"]
+    before = inference_count(grpc_client, stage_model)
     outcome = timed_infer(client_for(protocol), protocol, "tag_pipeline", tokens, name="TOKENS",
                           dtype="INT64")
     assert_error(outcome, protocol, "INVALID_ARG", "TOKENS", str(S.TAGGER_VOCAB))
-    assert inference_count(grpc_client, "tagger") == before, "a bad request reached the tagger"
+    assert inference_count(grpc_client, stage_model) == before, "a bad request reached the tagger"
 
 
 def test_one_bad_request_fails_alone(server):

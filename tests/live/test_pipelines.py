@@ -95,10 +95,13 @@ def test_only_requested_outputs_are_returned(grpc_client, onnx):
                                expected_pipeline(onnx, image)["EMBEDDING"], rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("model", ["tag_pipeline", "tag_pipeline_logits"])
 @pytest.mark.parametrize("protocol", ["http", "grpc"])
-def test_tag_pipeline_reduces_tagger_logits_on_the_server(protocol, client_for, onnx):
+def test_tag_pipeline_reduces_tagger_logits_on_the_server(protocol, model, client_for, onnx):
+    """The committed tag_pipeline (tagger_tags: reduced in the graph) and its variant over the
+    logits tagger (reduced in the orchestrator) both answer what the logits reduce to."""
     data = tokens(2, seed=protocol == "http")
-    result = infer(protocol, client_for(protocol), "tag_pipeline", "TOKENS", data, "INT64",
+    result = infer(protocol, client_for(protocol), model, "TOKENS", data, "INT64",
                    ["TAGS", "TAG_PROBS"])
     (logits,) = onnx("tagger", TOKENS=data)
     tags, probs = pipelines.reduce_tags(logits)

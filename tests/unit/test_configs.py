@@ -66,9 +66,11 @@ def tensors_of(config) -> dict[str, tuple[int, tuple[int, ...]]]:
 def test_every_tensor_an_orchestrator_uses_exists_in_its_sub_models(repository, orchestrator):
     config = committed(repository, orchestrator.name)
     parameters = {k: v.string_value for k, v in config.parameters.items()}
-    for stage, contract in S.STAGES[orchestrator.name].items():
+    for stage, accepted in S.STAGES[orchestrator.name].items():
         sub_model = parameters[f"{stage}_model"]
         sub_tensors = tensors_of(committed(repository, sub_model))
+        contract = accepted[0]  # the committed stage model is the default contract's
+        assert sub_model == contract.name
         for tensor in (*contract.inputs, *contract.outputs):
             dtype = model_config_pb2.DataType.Value(tensor.dtype)
             assert sub_tensors.get(tensor.name) == (dtype, tensor.dims), (

@@ -29,6 +29,21 @@ def test_onnxruntime_matches_pytorch(repository, model):
         np.testing.assert_allclose(got, want.numpy(), rtol=1e-4, atol=1e-4, err_msg=output.name)
 
 
+def test_tagger_tags_is_the_tagger_reduced_in_its_graph(repository):
+    """Same weights as the tagger; its outputs are what the orchestrator's reduction computes."""
+    from bls_models import pipelines
+
+    tokens = nets.example_input(S.TAGGER, batch=2).numpy()
+    (logits,) = ort.InferenceSession(str(export.onnx_path(repository, S.TAGGER)),
+                                     providers=["CPUExecutionProvider"]).run(None, {"TOKENS": tokens})
+    tags, probs = ort.InferenceSession(str(export.onnx_path(repository, S.TAGGER_TAGS)),
+                                       providers=["CPUExecutionProvider"]).run(
+        ["TAGS", "TAG_PROBS"], {"TOKENS": tokens})
+    expected_tags, expected_probs = pipelines.reduce_tags(logits)
+    np.testing.assert_array_equal(tags, expected_tags)
+    np.testing.assert_allclose(probs, expected_probs, rtol=1e-5, atol=1e-7)
+
+
 def test_preprocess_is_imagenet_normalisation(repository):
     session = ort.InferenceSession(str(export.onnx_path(repository, S.PREPROCESS)),
                                    providers=["CPUExecutionProvider"])

@@ -28,15 +28,19 @@ class FakeSubModels:
         self.log.append(("start", stage, time.monotonic()))
         await asyncio.sleep(self.delays.get(stage, 0.0))
         self.log.append(("end", stage, time.monotonic()))
+        self.requested = list(outputs)
         if stage in self.fail:
             raise self.fail[stage]
         batch = len(next(iter(inputs.values())))
         rng = np.random.default_rng(len(self.log))
-        shapes = {"PIXELS": (3, 224, 224), "LOGITS": (1000,), "EMBEDDING": (256,)}
+        shapes = {"PIXELS": (3, 224, 224), "LOGITS": (1000,), "EMBEDDING": (256,),
+                  "TAGS": (S.TAGGER_SEQ_LEN,), "TAG_PROBS": (S.TAGGER_SEQ_LEN,)}
         if stage == "tagger":
             shapes["LOGITS"] = (S.TAGGER_SEQ_LEN, 16)
         result = {name: rng.standard_normal((batch, *shapes[name])).astype(np.float32)
                   for name in outputs}
+        if "TAGS" in result:
+            result["TAGS"] = rng.integers(0, S.TAGGER_VOCAB, (batch, S.TAGGER_SEQ_LEN))
         return reduce(result) if reduce else result
 
 
@@ -102,10 +106,14 @@ def test_top_k_ties_go_to_the_lower_class_id():
     assert list(ids[0]) == [0, 1, 2]
 
 
-def test_tag_pipeline_reduces_the_tagger_outputs_where_they_arrive():
+@pytest.mark.parametrize("reduced_by_model, requested", [(True, ["TAGS", "TAG_PROBS"]),
+                                                         (False, ["LOGITS"])])
+def test_tag_pipeline_asks_the_tagger_for_what_it_reduces_or_reduces_logits_itself(
+        reduced_by_model, requested):
     fake = FakeSubModels({})
     tokens = np.ones((2, S.TAGGER_SEQ_LEN), np.int64)
-    out = run(pipelines.tag_pipeline({"TOKENS": tokens}, fake))
+    out = run(pipelines.tag_pipeline({"TOKENS": tokens}, fake, reduced_by_model))
+    assert fake.requested == requested
     assert set(out) == {"TAGS", "TAG_PROBS"}
     assert out["TAGS"].shape == (2, S.TAGGER_SEQ_LEN) and out["TAGS"].dtype == np.int64
 
@@ -201,7 +209,8 @@ def test_committed_bls_parameters_parse(repository):
 
     for model in S.BLS_MODELS:
         parsed = params.parse(params.string_parameters(configs.config_dict(model)),
-                              {stage: spec.name for stage, spec in S.STAGES[model.name].items()})
+                              {stage: accepted[0].name
+                               for stage, accepted in S.STAGES[model.name].items()})
         assert set(parsed.stages) == set(S.STAGES[model.name])
 
 
@@ -213,7 +222,7 @@ def test_stage_models_are_checked_against_the_repository(repository, tmp_path):
     problems = repo_check.stage_problems([tmp_path, repository], stages, S.STAGES["pipeline"])
     assert any("'embedder'" in p and "no tensor 'LOGITS'" in p for p in problems)
     assert any("no model 'missing_model'" in p for p in problems)
-    good = {s: params.Stage(s, m.name, 0) for s, m in S.STAGES["pipeline"].items()}
+    good = {s: params.Stage(s, accepted[0].name, 0) for s, accepted in S.STAGES["pipeline"].items()}
     assert repo_check.stage_problems([tmp_path, repository], good, S.STAGES["pipeline"]) == []
     assert "no model 'preprocess'" in " ".join(
         repo_check.stage_problems([tmp_path], good, S.STAGES["pipeline"]))
