@@ -48,7 +48,8 @@ class InProcess:
         options.inter_op_num_threads = 1
         self.sessions = {m.name: ort.InferenceSession(str(export.onnx_path(repository, m)), options,
                                                       providers=["CPUExecutionProvider"])
-                         for m in (S.PREPROCESS, S.CLASSIFIER, S.EMBEDDER, S.TAGGER)}
+                         for m in (S.PREPROCESS, S.CLASSIFIER, S.EMBEDDER, S.TAGGER,
+                                   S.TAGGER_TAGS)}
         self.branches = concurrent.futures.ThreadPoolExecutor(64, thread_name_prefix="branch")
 
     def pipeline(self, image: np.ndarray) -> dict[str, np.ndarray]:
@@ -61,6 +62,9 @@ class InProcess:
 
     def tagger(self, tokens: np.ndarray) -> np.ndarray:
         return self.sessions["tagger"].run(None, {"TOKENS": tokens})[0]
+
+    def tagger_tags(self, tokens: np.ndarray) -> list[np.ndarray]:
+        return self.sessions["tagger_tags"].run(None, {"TOKENS": tokens})
 
     def measure(self, work, concurrency: int, seconds: float) -> Point:
         """``concurrency`` threads calling ``work()`` back to back for ``seconds``."""

@@ -94,8 +94,13 @@ def plot(result, path: Path) -> None:
     if result.plot["kind"] == "curve":
         _curves(ax, rows)
     else:
-        labels = [r["variant"].replace("`", "") for r in rows]
-        ax.barh(labels, [r["p50_ms"] for r in rows])
+        # A variant measured in several rounds is one bar: the median of its p50s.
+        by_label: dict[str, list[float]] = {}
+        for r in rows:
+            by_label.setdefault(r["variant"].replace("`", ""), []).append(float(r["p50_ms"]))
+        labels = [label + (f" (median of {len(v)})" if len(v) > 1 else "")
+                  for label, v in by_label.items()]
+        ax.barh(labels, [sorted(v)[len(v) // 2] for v in by_label.values()])
         ax.set_xlabel("p50 latency (ms)")
         ax.invert_yaxis()
         fig.subplots_adjust(left=0.45)
