@@ -406,8 +406,8 @@ def client_styles(ctx: Context) -> Result:
             window = "(time windows)" if ctx.quick else f"(windows of {2 * c})"
             result.summary.append(f"| perf_analyzer --async | {c} | {window} | {p.throughput:.0f} | "
                                   f"{p.p50_ms:.0f} / {p.p95_ms:.0f} / {p.p99_ms:.0f} | 0 | 0 |")
-    result.summary.append("- A perf_analyzer row exists only for a run without errors: perf_analyzer stops "
-                          "and fails on any failed request (the run says so above when it does).")
+    result.summary.append("- A perf_analyzer row exists only for an error-free run: perf_analyzer stops at "
+                          "the first request error, and the report then says so above.")
     result.summary.append(f"- perf_analyzer cannot set a request timeout, so it drives "
                           f"`{LONG_DEADLINE_PIPELINE}` (`pipeline` with a 120 s default deadline): "
                           "the same 120 s budget the project's clients give every request.")
