@@ -7,6 +7,7 @@ then SIGKILL for anything left of its process group, stubs included.
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 import threading
@@ -47,6 +48,16 @@ def banner(server: TritonServer) -> str:
     ])
 
 
+def admin_header(spec: str | None) -> tuple[str, str] | None:
+    """``NAME=VALUE`` -> (name, value); checked by the launcher."""
+    if not spec:
+        return None
+    name, sep, value = spec.partition("=")
+    if not sep:
+        raise SystemExit("error: --admin-header / TRITONLOCAL_ADMIN_HEADER must be NAME=VALUE")
+    return name, value
+
+
 def _interrupt(signum, frame):
     raise KeyboardInterrupt
 
@@ -57,6 +68,7 @@ def serve(args: argparse.Namespace) -> int:
         http_port=args.http_port, grpc_port=args.grpc_port, metrics_port=args.metrics_port,
         log_file=Path(args.log_file or f".triton/tritonserver-{args.http_port}.log"),
         ready_timeout=args.ready_timeout, log_verbose=args.log_verbose,
+        admin_header=admin_header(args.admin_header),
         extra_args=args.tritonserver_args,
     )
     server = TritonServer(options)
@@ -102,6 +114,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--log-verbose", type=int, default=0)
     p.add_argument("--ready-timeout", type=float, default=180.0)
     p.add_argument("--quiet", action="store_true", help="do not echo the server log")
+    p.add_argument("--admin-header", default=os.environ.get("TRITONLOCAL_ADMIN_HEADER"),
+                   metavar="NAME=VALUE",
+                   help="answer the model-repository, shared-memory, logging and trace APIs only "
+                   "for requests with this header (default: $TRITONLOCAL_ADMIN_HEADER; the value "
+                   "is visible in the server's command line to local users)")
     p.add_argument("tritonserver_args", nargs="*",
                    help="extra tritonserver flags, after `--` (e.g. -- --log-verbose=1)")
     args = parser.parse_args(argv)

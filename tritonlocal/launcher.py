@@ -5,8 +5,9 @@ shared libraries, numpy < 2), assembles a backend directory (python backend, the
 server's Python, the project's local ``onnxruntime`` backend), starts the server bound to
 127.0.0.1, waits for ``/v2/health/ready`` and stops it with SIGINT, a grace period, then SIGKILL
 for its whole process group — the server and every python-backend stub it started. The server
-is started with ``PR_SET_PDEATHSIG`` so it dies when the launcher does, and its stubs exit when
-the server is gone.
+is started with ``PR_SET_PDEATHSIG`` so it dies when the launcher does; its stubs normally exit
+when the server is gone, and a launcher start kills any that did not (``kill_orphaned_stubs``)
+and removes the shared-memory regions of dead launchers.
 """
 
 from __future__ import annotations
@@ -32,6 +33,10 @@ from tritonlocal.runtime import LauncherError
 LOCAL_BACKENDS = Path(__file__).with_name("backends")
 SHM = Path("/dev/shm")
 SHM_PREFIX = "tritonlocal_"  # + launcher pid + "_" + run id + "_" + Triton's UUID
+# The APIs an ``admin_header`` restricts: everything that changes what the server serves or reads
+# (model load/unload, registering shared-memory regions) or what it logs and traces. Health,
+# metadata, inference, model config and statistics stay open.
+RESTRICTED_APIS = ("model-repository", "shared-memory", "logging", "trace")
 _PR_SET_PDEATHSIG = 1
 
 
@@ -53,7 +58,22 @@ class ServerOptions:
     # stayed at 32 MiB (docs/orchestrator.md). Growth is in large steps for the same reason.
     shm_default_bytes: int = 32 * 2**20
     shm_growth_bytes: int = 16 * 2**20
+    # (header name, value): the RESTRICTED_APIS answer only requests that carry this header, over
+    # HTTP and gRPC (Triton's --http-restricted-api / --grpc-restricted-protocol). None: open.
+    admin_header: tuple[str, str] | None = None
     extra_args: list[str] = field(default_factory=list)
+
+
+def restriction_args(header: tuple[str, str] | None) -> list[str]:
+    """tritonserver flags that restrict RESTRICTED_APIS to requests carrying ``header``."""
+    if header is None:
+        return []
+    name, value = header
+    if not re.fullmatch(r"[A-Za-z0-9-]+", name) or not value or any(c in value for c in ",:= "):
+        raise LauncherError("the admin header needs a name of letters, digits and '-' and a "
+                            "non-empty value without ',', ':', '=' or spaces")
+    rule = f"{','.join(RESTRICTED_APIS)}:{name.lower()}={value}"
+    return [f"--http-restricted-api={rule}", f"--grpc-restricted-protocol={rule}"]
 
 
 class TritonServer:
@@ -92,6 +112,7 @@ class TritonServer:
         repository = Path(opts.model_repository).resolve()
         if not repository.is_dir():
             raise LauncherError(f"model repository {repository} does not exist")
+        restrictions = restriction_args(opts.admin_header)
         install = runtime.find_installation()
         env = runtime.server_environment(install, opts.python)
         python_version, numpy_version = runtime.python_version_of(opts.python)
@@ -102,6 +123,7 @@ class TritonServer:
                                              "metrics": opts.metrics_port})
 
         self._run_dir = Path(tempfile.mkdtemp(prefix="tritonlocal-"))
+        kill_orphaned_stubs()
         remove_stale_regions()
         self._shm_prefix = f"{SHM_PREFIX}{os.getpid()}_{self._run_dir.name.removeprefix('tritonlocal-')}_"
         backends = self._assemble_backends(install, stub, self._run_dir / "backends")
@@ -126,6 +148,7 @@ class TritonServer:
             # A prefix unique to this server, so stop() can remove exactly its regions if a stub
             # could not (killed stubs leave their /dev/shm files behind).
             f"--backend-config=python,shm-region-prefix-name={self._shm_prefix}",
+            *restrictions,
             *opts.extra_args,
         ]
         with open(self.log_file, "ab") as log:
@@ -268,6 +291,34 @@ def remove_stale_regions() -> list[Path]:
             region.unlink(missing_ok=True)
             removed.append(region)
     return removed
+
+
+def kill_orphaned_stubs() -> list[int]:
+    """SIGKILL python-backend stubs of this launcher's servers whose server is gone.
+
+    A server dies with its launcher (PDEATHSIG), but a stub blocked in a BLS call when that
+    happens was seen to outlive it for minutes, reparented to init, holding its memory and
+    shared-memory region. A stub's argv names its region (``tritonlocal_<launcher pid>_...``,
+    argv[2]) and its server's pid (argv[5]); one whose server no longer exists, or is no longer
+    its parent, is an orphan."""
+    killed = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            argv = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
+            if len(argv) < 6 or not argv[0].endswith(b"triton_python_backend_stub"):
+                continue
+            if not argv[2].startswith(SHM_PREFIX.encode()) or not argv[5].isdigit():
+                continue
+            parent = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            if parent == int(argv[5]) and Path(f"/proc/{parent}").exists():
+                continue
+            os.kill(int(entry), signal.SIGKILL)
+            killed.append(int(entry))
+        except (OSError, ValueError, IndexError):
+            continue
+    return killed
 
 
 def _die_with_parent() -> None:

@@ -19,7 +19,7 @@ import tritonclient.grpc as grpcclient
 from bls_models import spec as S
 from modelgen import configs, export
 from tritonlocal import LauncherError, ServerOptions, TritonServer
-from tritonlocal.launcher import remove_stale_regions, shm_regions
+from tritonlocal.launcher import kill_orphaned_stubs, remove_stale_regions, shm_regions
 from tritonlocal.runtime import free_ports
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -99,6 +99,37 @@ def test_stop_takes_every_stub_with_it(repository, tmp_path):
         assert len(shm_regions(prefix)) == S.PREPROCESS.instance_count
     assert not group_alive(pid), "processes of the server's group survived stop()"
     assert shm_regions(prefix) == [], "shared-memory regions left in /dev/shm"
+
+
+def fake_stub(tmp_path: Path, server_pid: int) -> subprocess.Popen:
+    """A process whose argv reads like a python-backend stub of one of our servers
+    (argv[2] = its shm region, argv[5] = its server's pid) and that just sleeps."""
+    stub = tmp_path / "triton_python_backend_stub"
+    stub.symlink_to(sys.executable)
+    script = tmp_path / "model.py"
+    script.write_text("import time\ntime.sleep(120)\n")
+    return subprocess.Popen([str(stub), str(script), "tritonlocal_999999999_test_x", "1", "1",
+                             str(server_pid), "backends", "0", "m_0_0", "DEFAULT"])
+
+
+def test_a_launcher_start_kills_stubs_whose_server_is_gone(tmp_path):
+    dead = subprocess.Popen(["true"])
+    dead.wait()  # a pid that no longer exists: the orphan's server
+    for name in ("orphan", "alive"):
+        (tmp_path / name).mkdir()
+    orphan = fake_stub(tmp_path / "orphan", dead.pid)
+    # One whose "server" is alive and its parent (this test process): not an orphan.
+    alive = fake_stub(tmp_path / "alive", os.getpid())
+    try:
+        time.sleep(0.5)
+        killed = kill_orphaned_stubs()
+        assert orphan.wait(timeout=10) == -signal.SIGKILL
+        assert orphan.pid in killed and alive.pid not in killed
+        assert alive.poll() is None
+    finally:
+        for process in (orphan, alive):
+            process.kill()
+            process.wait()
 
 
 def spawn_serve(repository: Path, tmp_path: Path):

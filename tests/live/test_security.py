@@ -1,0 +1,161 @@
+"""Who may change what the server serves: endpoints bound to 127.0.0.1, model control mode
+`none` (no load/unload), and — with an admin header — the model-repository and shared-memory
+APIs refused to any request without it, over HTTP and gRPC, while inference stays open."""
+
+from __future__ import annotations
+
+import json
+import uuid
+
+import numpy as np
+import pytest
+import requests
+import tritonclient.grpc as grpcclient
+import tritonclient.utils.shared_memory as shm
+from tritonclient.utils import InferenceServerException
+
+from bls_models import spec as S
+from tests.live.test_launcher import make_repository
+from tritonlocal import LauncherError, ServerOptions, TritonServer
+from tritonlocal.runtime import free_ports
+
+HEADER = ("triton-admin-key", f"k{uuid.uuid4().hex}")
+
+
+@pytest.fixture(scope="module")
+def restricted(repository, tmp_path_factory):
+    repo = make_repository(tmp_path_factory.mktemp("restricted") / "repo", repository, S.PREPROCESS)
+    http, grpc_port, metrics = free_ports(3)
+    options = ServerOptions(repo, http_port=http, grpc_port=grpc_port, metrics_port=metrics,
+                            log_file=tmp_path_factory.mktemp("restricted-log") / "server.log",
+                            admin_header=HEADER)
+    with TritonServer(options) as server:
+        yield server
+
+
+@pytest.fixture
+def region():
+    """A 64-byte system shared-memory region, removed afterwards."""
+    key = f"/security-test-{uuid.uuid4().hex[:8]}"
+    handle = shm.create_shared_memory_region("security_test", key, 64)
+    yield key
+    shm.destroy_shared_memory_region(handle)
+
+
+def admin(authorised: bool) -> dict[str, str]:
+    return {HEADER[0]: HEADER[1]} if authorised else {}
+
+
+def grpc_admin(authorised: bool) -> dict[str, str]:
+    """Triton 2.51 expects the gRPC form of the header with a ``triton-grpc-protocol-`` prefix."""
+    return {f"triton-grpc-protocol-{HEADER[0]}": HEADER[1]} if authorised else {}
+
+
+def http_post(server, path: str, body: dict | None = None, authorised: bool = False):
+    return requests.post(f"http://{server.http_url}{path}", data=json.dumps(body or {}),
+                         headers=admin(authorised), timeout=30)
+
+
+# 127.0.0.1 as /proc/net/tcp writes it, and as an IPv4-mapped IPv6 address in /proc/net/tcp6 (how
+# the gRPC endpoint binds). 00000000 / all-zero would be every address.
+LOOPBACK = {"0100007F", "0000000000000000FFFF00000100007F"}
+
+
+def listening_addresses(port: int) -> set[str]:
+    """Local addresses of the TCP sockets listening on ``port`` (from /proc/net/tcp{,6})."""
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as handle:
+            for line in handle.readlines()[1:]:
+                local, state = line.split()[1], line.split()[3]
+                address, port_hex = local.rsplit(":", 1)
+                if state == "0A" and int(port_hex, 16) == port:  # 0A: LISTEN
+                    found.add(address)
+    return found
+
+
+def test_endpoints_listen_on_loopback_only(server):
+    for url in (server.http_url, server.grpc_url, server.metrics_url.split("/")[2]):
+        port = int(url.rsplit(":", 1)[1])
+        found = listening_addresses(port)
+        assert found and found <= LOOPBACK, (url, found)
+
+
+@pytest.mark.parametrize("action", ["load", "unload"])
+def test_model_control_mode_none_refuses_load_and_unload(server, action):
+    reply = http_post(server, f"/v2/repository/models/preprocess/{action}")
+    assert reply.status_code == 503, reply.text  # Triton's status for "not allowed" here
+    assert "not allowed" in reply.json()["error"].lower()
+    assert requests.get(f"http://{server.http_url}/v2/models/preprocess/ready",
+                        timeout=10).status_code == 200
+
+
+@pytest.mark.parametrize("path", ["/v2/repository/models/preprocess/unload",
+                                  "/v2/repository/index"])
+def test_unauthenticated_repository_calls_are_refused_over_http(restricted, path):
+    reply = http_post(restricted, path)
+    assert reply.status_code == 403, reply.text
+    assert HEADER[0] in reply.json()["error"]
+    assert http_post(restricted, "/v2/repository/index", authorised=True).status_code == 200
+    assert requests.get(f"http://{restricted.http_url}/v2/models/preprocess/ready",
+                        timeout=10).status_code == 200
+
+
+def test_unauthenticated_shm_register_is_refused_over_http(restricted, region):
+    body = {"key": region, "offset": 0, "byte_size": 64}
+    path = "/v2/systemsharedmemory/region/probe/register"
+    reply = http_post(restricted, path, body)
+    assert reply.status_code == 403, reply.text
+    status = requests.get(f"http://{restricted.http_url}/v2/systemsharedmemory/status",
+                          headers=admin(True), timeout=10).json()
+    assert all(r["name"] != "probe" for r in status)
+    # The same call with the header goes through (and is undone).
+    assert http_post(restricted, path, body, authorised=True).status_code == 200
+    assert http_post(restricted, "/v2/systemsharedmemory/region/probe/unregister",
+                     authorised=True).status_code == 200
+
+
+def test_unauthenticated_calls_are_refused_over_grpc(restricted, region):
+    client = grpcclient.InferenceServerClient(restricted.grpc_url)
+    try:
+        for call in (lambda h: client.unload_model("preprocess", headers=h),
+                     lambda h: client.get_model_repository_index(headers=h),
+                     lambda h: client.register_system_shared_memory("probe", region, 64,
+                                                                    headers=h)):
+            for headers in ({}, admin(True)):  # the HTTP form of the header is not enough
+                with pytest.raises(InferenceServerException) as refused:
+                    call(headers)
+                assert "restricted" in str(refused.value), refused.value
+                assert str(refused.value.status()) == "StatusCode.UNAVAILABLE"
+        client.get_model_repository_index(headers=grpc_admin(True))
+        client.register_system_shared_memory("probe", region, 64, headers=grpc_admin(True))
+        client.unregister_system_shared_memory("probe", headers=grpc_admin(True))
+        assert client.is_model_ready("preprocess")
+    finally:
+        client.close()
+
+
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_inference_needs_no_header(restricted, protocol):
+    image = np.zeros((1, *S.IMAGE.dims), np.uint8)
+    if protocol == "http":
+        reply = requests.post(f"http://{restricted.http_url}/v2/models/preprocess/infer",
+                              json={"inputs": [{"name": "IMAGE", "shape": list(image.shape),
+                                                "datatype": "UINT8",
+                                                "data": image.ravel().tolist()}]}, timeout=60)
+        assert reply.status_code == 200, reply.text
+        return
+    client = grpcclient.InferenceServerClient(restricted.grpc_url)
+    try:
+        tensor = grpcclient.InferInput("IMAGE", list(image.shape), "UINT8")
+        tensor.set_data_from_numpy(image)
+        assert client.infer("preprocess", [tensor]).as_numpy("PIXELS").shape == (1, *S.PIXELS.dims)
+    finally:
+        client.close()
+
+
+@pytest.mark.parametrize("header", [("bad name", "x"), ("key", ""), ("key", "a,b"),
+                                    ("key", "a:b")])
+def test_a_malformed_admin_header_is_refused_before_start(repository, tmp_path, header):
+    with pytest.raises(LauncherError, match="admin header"):
+        TritonServer(ServerOptions(repository, admin_header=header)).start()
