@@ -9,18 +9,19 @@ HTTP_PORT        ?= 8000
 GRPC_PORT        ?= 8001
 METRICS_PORT     ?= 8002
 PYTEST_ARGS      ?=
+SOAK_ARGS        ?=
 
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
 .DEFAULT_GOAL := help
-.PHONY: help venv models configs serve test test-unit bench clean
+.PHONY: help venv models configs serve test test-unit bench soak clean
 BENCH_EXPERIMENTS := orchestration fanout designs large_output clients tuning
 
 help: ## Show this help
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
 	@echo "  make bench-<experiment>  one experiment: $(BENCH_EXPERIMENTS)"
-	@echo "  Variables: HTTP_PORT GRPC_PORT METRICS_PORT MODEL_REPOSITORY MODEL_SIZE=small|full PYTEST_ARGS"
+	@echo "  Variables: HTTP_PORT GRPC_PORT METRICS_PORT MODEL_REPOSITORY MODEL_SIZE=small|full PYTEST_ARGS SOAK_ARGS"
 
 $(STAMP): pyproject.toml scripts/install_system_deps.sh scripts/install_perf_analyzer.py
 	scripts/install_system_deps.sh $(PYTHON)
@@ -47,8 +48,11 @@ test: models ## Run the whole test suite (unit + live server) — what CI runs
 test-unit: $(STAMP) ## Only the tests that need no server
 	$(PY) -m pytest -m "not live" $(PYTEST_ARGS)
 
-bench: models ## Run every benchmark (perf_analyzer; ~20 min) -> bench/results/REPORT.md
+bench: models ## Run every benchmark (perf_analyzer; ~75 min, 50 of it tuning) -> bench/results/REPORT.md
 	$(PY) -m bench
+
+soak: models ## Soak both orchestrators (50 000 requests at concurrency 256; SOAK_ARGS) -> bench/results/soak.md
+	$(PY) -m bench.soak $(SOAK_ARGS)
 
 $(addprefix bench-,$(BENCH_EXPERIMENTS)): bench-%: models ## (bench-orchestration, bench-fanout, ...) one experiment
 	$(PY) -m bench --experiment $*
