@@ -31,6 +31,8 @@ def test_perf_analyzer_reports_zero_errors_against_classifier(server, tmp_path):
     assert run.returncode == 0, output
     assert "error" not in output.lower(), output
     rows = list(csv.DictReader(report.open()))
-    assert [row["Concurrency"] for row in rows] == ["1", "2"]
+    # perf_analyzer sorts its CSV rows by throughput, which on a noisy machine may put
+    # concurrency 2 first: compare the set of levels.
+    assert sorted(row["Concurrency"] for row in rows) == ["1", "2"]
     for row in rows:
         assert float(row["Inferences/Second"]) > 0
