@@ -11,7 +11,7 @@ and Triton prepends the batch axis.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 # ImageNet normalisation applied by `preprocess`.
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
@@ -149,13 +149,10 @@ TAGGER = ModelSpec(
 # The same network (same weights) exported with its reduction in the graph: per-token argmax
 # and that token's softmax probability, 8 bytes per token instead of 56 KB. The 28.7 MB of
 # logits exist only inside ONNX Runtime (or TensorRT, on the GPU) and are never copied out.
-TAGGER_TAGS = ModelSpec(
+TAGGER_TAGS = replace(
+    TAGGER,
     name="tagger_tags",
-    backend="onnxruntime",
-    inputs=(TOKENS,),
     outputs=(TAGS, TAG_PROBS),
-    max_batch_size=4,
-    batching=TAGGER.batching,
     description="The tagger with its reduction in the ONNX graph: TAGS and TAG_PROBS per token",
 )
 
