@@ -75,6 +75,25 @@ def model_stats(server: TritonServer) -> dict[str, dict]:
     return out
 
 
+def server_processes(server_pid: int) -> dict[str, list[int]]:
+    """The processes of a server's group by label: ``tritonserver`` and ``<model> stubs`` (the
+    python-backend stubs of each model's instances; argv[8] is ``<model>_<group>_<index>``)."""
+    out: dict[str, list[int]] = {"tritonserver": [server_pid]}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == server_pid:
+            continue
+        try:
+            if os.getpgid(int(entry)) != server_pid:
+                continue
+            argv = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
+        except (OSError, ProcessLookupError):
+            continue
+        name = (argv[8].decode().rsplit("_", 2)[0] if len(argv) > 8
+                and argv[0].endswith(b"triton_python_backend_stub") else "other")
+        out.setdefault(f"{name} stubs", []).append(int(entry))
+    return out
+
+
 def cpu_seconds(server: TritonServer, others: dict[str, int]) -> dict[str, float]:
     """CPU time (user + system, seconds) so far of the server, of each model's stubs (summed per
     model) and of ``others`` (label -> pid, e.g. the load generator)."""
@@ -87,21 +106,11 @@ def cpu_seconds(server: TritonServer, others: dict[str, int]) -> dict[str, float
             return 0.0
         return (int(fields[11]) + int(fields[12])) / tick  # utime, stime
 
-    out = collections.Counter({"tritonserver": of(server.process.pid)})
-    for entry in os.listdir("/proc"):
-        if entry.isdigit() and int(entry) != server.process.pid:
-            try:
-                if os.getpgid(int(entry)) != server.process.pid:
-                    continue
-                argv = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
-            except (OSError, ProcessLookupError):
-                continue
-            name = (argv[8].decode().rsplit("_", 2)[0] if len(argv) > 8
-                    and argv[0].endswith(b"triton_python_backend_stub") else "other")
-            out[f"{name} stubs"] += of(int(entry))
+    out = {label: sum(of(pid) for pid in pids)
+           for label, pids in server_processes(server.process.pid).items()}
     for label, pid in others.items():
-        out[label] += of(pid)
-    return dict(out)
+        out[label] = out.get(label, 0.0) + of(pid)
+    return out
 
 
 def cpu_table(measured: "Load") -> list[str]:

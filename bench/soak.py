@@ -29,7 +29,6 @@ import asyncio
 import collections
 import csv
 import json
-import os
 import sys
 import tempfile
 import time
@@ -39,6 +38,7 @@ from pathlib import Path
 
 import numpy as np
 
+from bench import profile
 from bls_models import spec as S
 from modelgen import nets
 
@@ -75,31 +75,19 @@ class Soak:
 # -- memory of the server's processes ----------------------------------------------------------------
 def process_memory(server_pid: int) -> dict[str, float]:
     """MiB resident (RSS) of tritonserver and of each model's stubs (summed), from /proc."""
-    out: dict[str, float] = collections.Counter()
 
     def rss(pid: int) -> float:
-        with open(f"/proc/{pid}/status") as handle:
-            for line in handle:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) / 1024
+        try:
+            with open(f"/proc/{pid}/status") as handle:
+                for line in handle:
+                    if line.startswith("VmRSS:"):
+                        return int(line.split()[1]) / 1024
+        except OSError:
+            pass
         return 0.0
 
-    try:
-        out["tritonserver"] = rss(server_pid)
-    except OSError:
-        return dict(out)
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            if os.getpgid(int(entry)) != os.getpgid(server_pid) or int(entry) == server_pid:
-                continue
-            argv = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
-            if len(argv) > 8 and argv[0].endswith(b"triton_python_backend_stub"):
-                out[f"{argv[8].decode().rsplit('_', 2)[0]} stubs"] += rss(int(entry))
-        except (OSError, ProcessLookupError):
-            continue
-    return dict(out)
+    return {label: sum(rss(pid) for pid in pids)
+            for label, pids in profile.server_processes(server_pid).items()}
 
 
 def growth_per_10k(samples: list[dict], key: str, total: int) -> float:
