@@ -103,11 +103,12 @@ def sequential_latency(url: str, model: str, inputs: dict[str, np.ndarray], coun
     """``count`` requests one after another (after a warm-up) on one gRPC client: concurrency 1,
     with no stability criterion to miss (perf_analyzer's failed on the few-ms stages here)."""
     import tritonclient.grpc as grpcclient
+    from tritonclient.utils import np_to_triton_dtype
 
     client = grpcclient.InferenceServerClient(url)
     tensors = []
     for name, data in inputs.items():
-        tensor = grpcclient.InferInput(name, list(data.shape), _TRITON_DTYPES[data.dtype.name])
+        tensor = grpcclient.InferInput(name, list(data.shape), np_to_triton_dtype(data.dtype))
         tensor.set_data_from_numpy(data)
         tensors.append(tensor)
     latencies = []
@@ -122,9 +123,6 @@ def sequential_latency(url: str, model: str, inputs: dict[str, np.ndarray], coun
         return point(1, latencies, time.monotonic() - started)
     finally:
         client.close()
-
-
-_TRITON_DTYPES = {"uint8": "UINT8", "float32": "FP32", "int64": "INT64"}
 
 
 # -- the client orchestrates: three calls per image ------------------------------------------------

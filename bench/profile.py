@@ -27,6 +27,7 @@ from pathlib import Path
 
 from bench import perf
 from tritonlocal import ServerOptions, TritonServer
+from tritonlocal.launcher import group_stubs
 from tritonlocal.runtime import free_ports
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -76,22 +77,9 @@ def model_stats(server: TritonServer) -> dict[str, dict]:
 
 
 def server_processes(server_pid: int) -> dict[str, list[int]]:
-    """The processes of a server's group by label: ``tritonserver`` and ``<model> stubs`` (the
-    python-backend stubs of each model's instances; argv[8] is ``<model>_<group>_<index>``)."""
-    out: dict[str, list[int]] = {"tritonserver": [server_pid]}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == server_pid:
-            continue
-        try:
-            if os.getpgid(int(entry)) != server_pid:
-                continue
-            argv = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
-        except (OSError, ProcessLookupError):
-            continue
-        name = (argv[8].decode().rsplit("_", 2)[0] if len(argv) > 8
-                and argv[0].endswith(b"triton_python_backend_stub") else "other")
-        out.setdefault(f"{name} stubs", []).append(int(entry))
-    return out
+    """The processes of a server's group by label: ``tritonserver`` and ``<model> stubs``."""
+    return {"tritonserver": [server_pid],
+            **{f"{model} stubs": pids for model, pids in group_stubs(server_pid).items()}}
 
 
 def cpu_seconds(server: TritonServer, others: dict[str, int]) -> dict[str, float]:

@@ -193,25 +193,10 @@ class TritonServer:
         return self.process is not None and self.process.poll() is None
 
     def stub_pids(self, model: str) -> list[int]:
-        """The python-backend stub processes of ``model``'s instances (argv[8] is the instance
-        name, ``<model>_<group>_<index>``)."""
-        pids = []
+        """The python-backend stub processes of ``model``'s instances."""
         if self.process is None:
-            return pids
-        for entry in os.listdir("/proc"):
-            if not entry.isdigit():
-                continue
-            try:
-                if os.getpgid(int(entry)) != self.process.pid:
-                    continue
-                with open(f"/proc/{entry}/cmdline", "rb") as handle:
-                    argv = handle.read().split(b"\0")
-            except (OSError, ProcessLookupError):
-                continue
-            if (len(argv) > 8 and argv[0].endswith(b"triton_python_backend_stub")
-                    and re.fullmatch(rf"{re.escape(model)}_\d+_\d+", argv[8].decode())):
-                pids.append(int(entry))
-        return sorted(pids)
+            return []
+        return sorted(group_stubs(self.process.pid).get(model, []))
 
     def log_tail(self, lines: int = 40) -> str:
         if self.log_file is None or not self.log_file.exists():
@@ -291,6 +276,25 @@ def remove_stale_regions() -> list[Path]:
             region.unlink(missing_ok=True)
             removed.append(region)
     return removed
+
+
+def group_stubs(server_pid: int) -> dict[str, list[int]]:
+    """Model name -> pids of the python-backend stubs in the server's process group (argv[8] of
+    a stub is its instance, ``<model>_<group>_<index>``)."""
+    stubs: dict[str, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            if os.getpgid(int(entry)) != server_pid:
+                continue
+            argv = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
+        except (OSError, ProcessLookupError):
+            continue
+        instance = re.fullmatch(rb"(.+)_\d+_\d+", argv[8]) if len(argv) > 8 else None
+        if argv[0].endswith(b"triton_python_backend_stub") and instance:
+            stubs.setdefault(instance.group(1).decode(), []).append(int(entry))
+    return stubs
 
 
 def kill_orphaned_stubs() -> list[int]:
