@@ -2,6 +2,10 @@
 
 Ctrl-C (SIGINT) or SIGTERM stops the server cleanly: SIGINT to tritonserver, a grace period,
 then SIGKILL for anything left of its process group, stubs included.
+
+A supervisor checks the server every ``--check-interval`` seconds and restarts it if it exits,
+stops answering, or loses a python-backend stub (``tritonlocal.liveness``); ``--no-supervise``
+turns that off (the server's exit then ends the command with status 1).
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ import sys
 import threading
 from pathlib import Path
 
-from tritonlocal.launcher import ServerOptions, TritonServer, tail_to
+from tritonlocal.launcher import ServerOptions, Supervisor, TritonServer, tail_to
 from tritonlocal.runtime import LauncherError
 
 EXAMPLE_MODEL = "pipeline"
@@ -82,6 +86,11 @@ def serve(args: argparse.Namespace) -> int:
         if not args.quiet:
             tail_to(sys.stdout, server.log_file, stop)
         print(banner(server), flush=True)
+        if args.supervise:
+            supervisor = Supervisor(server, interval=args.check_interval,
+                                    log=lambda line: print(line, flush=True))
+            supervisor.run(stop)  # returns only on Ctrl-C/SIGTERM, raises on a crash loop
+            return 0
         while server.is_running():
             stop.wait(1.0)
         print(f"tritonserver exited unexpectedly; log {server.log_file}:\n{server.log_tail()}",
@@ -119,6 +128,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="answer the model-repository, shared-memory, logging and trace APIs only "
                    "for requests with this header (default: $TRITONLOCAL_ADMIN_HEADER; the value "
                    "is visible in the server's command line to local users)")
+    p.add_argument("--no-supervise", dest="supervise", action="store_false",
+                   help="do not restart the server when it exits or a python stub dies")
+    p.add_argument("--check-interval", type=float, default=2.0,
+                   help="seconds between the supervisor's liveness checks (default 2)")
     p.add_argument("tritonserver_args", nargs="*",
                    help="extra tritonserver flags, after `--` (e.g. -- --log-verbose=1)")
     args = parser.parse_args(argv)

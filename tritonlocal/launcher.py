@@ -8,10 +8,15 @@ for its whole process group — the server and every python-backend stub it star
 is started with ``PR_SET_PDEATHSIG`` so it dies when the launcher does; its stubs normally exit
 when the server is gone, and a launcher start kills any that did not (``kill_orphaned_stubs``)
 and removes the shared-memory regions of dead launchers.
+
+``Supervisor`` keeps a server serving: it restarts it when it exits, stops answering, or loses a
+python-backend stub (``tritonlocal.liveness``; this Triton build never restarts a dead stub and
+keeps reporting ready).
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import ctypes
 import json
 import os
@@ -27,7 +32,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tritonlocal import runtime
+from tritonlocal import liveness, runtime
 from tritonlocal.runtime import LauncherError
 
 LOCAL_BACKENDS = Path(__file__).with_name("backends")
@@ -38,6 +43,11 @@ SHM_PREFIX = "tritonlocal_"  # + launcher pid + "_" + run id + "_" + Triton's UU
 # metadata, inference, model config and statistics stay open.
 RESTRICTED_APIS = ("model-repository", "shared-memory", "logging", "trace")
 _PR_SET_PDEATHSIG = 1
+# PR_SET_PDEATHSIG fires when the *thread* that forked the child exits, not the process. Servers
+# are therefore spawned from this one long-lived thread: a server started from a short-lived
+# thread (a supervisor restarting it from its own thread) would be SIGKILLed when that thread
+# ended, while the launcher lives on. The thread ends with the interpreter, and the servers then.
+_SPAWNER = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="tritonlocal-spawn")
 
 
 @dataclass
@@ -154,26 +164,28 @@ class TritonServer:
         with open(self.log_file, "ab") as log:
             log.write(f"# {' '.join(command)}\n".encode())
             log.flush()
-            self.process = subprocess.Popen(
-                command, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+            self.process = _SPAWNER.submit(
+                subprocess.Popen, command, env=env, stdin=subprocess.DEVNULL, stdout=log,
+                stderr=subprocess.STDOUT,
                 start_new_session=True,  # own process group: stop() can reach every stub
                 preexec_fn=_die_with_parent,
-            )
+            ).result()
         try:
             self._wait_ready(repository)
         except BaseException:
             self.stop()
             raise
 
-    def stop(self) -> int | None:
-        """SIGINT, wait up to ``stop_grace``, then SIGKILL the process group. Idempotent."""
+    def stop(self, grace: float | None = None) -> int | None:
+        """SIGINT, wait up to ``grace`` (default ``stop_grace``), then SIGKILL the process group.
+        Idempotent."""
         process, self.process = self.process, None
         code = None
         if process is not None:
             if process.poll() is None:
                 _signal_group(process.pid, signal.SIGINT)
                 try:
-                    process.wait(self.options.stop_grace)
+                    process.wait(self.options.stop_grace if grace is None else grace)
                 except subprocess.TimeoutExpired:
                     pass
             # Whatever is left of the group (a server past its grace period, orphaned stubs).
@@ -197,6 +209,19 @@ class TritonServer:
         if self.process is None:
             return []
         return sorted(group_stubs(self.process.pid).get(model, []))
+
+    def stub_backends(self) -> tuple[str, ...]:
+        """Backends whose models run in python stubs here: python and the local python-based ones."""
+        return (*liveness.STUB_BACKENDS,
+                *sorted(b.name for b in LOCAL_BACKENDS.iterdir() if (b / "model.py").exists()))
+
+    def liveness(self, timeout: float = 5.0) -> liveness.Report:
+        """Is the server live with every stub running? (``tritonlocal.liveness.check``)"""
+        if self.process is None:
+            raise LauncherError("the server is not running")
+        headers = dict([self.options.admin_header]) if self.options.admin_header else None
+        return liveness.check(self.http_url, self.process.pid, self.stub_backends(), timeout,
+                              headers)
 
     def log_tail(self, lines: int = 40) -> str:
         if self.log_file is None or not self.log_file.exists():
@@ -249,6 +274,106 @@ class TritonServer:
         else:
             head = f"tritonserver exited with code {code} before it was ready"
         return f"{head}\nlog {self.log_file} (last lines):\n{self.log_tail()}"
+
+
+class Supervisor:
+    """Keeps a ``TritonServer`` serving: every ``interval`` seconds it checks the server, and
+    restarts it (stop with ``restart_grace``, then start on the same ports) when
+
+    * tritonserver has exited;
+    * a python-backend stub is dead or missing (restart at once: the instance will fail every
+      request routed to it, forever, while Triton reports ready);
+    * ``/v2/health/live`` has not answered 200 for ``unresponsive_checks`` checks in a row.
+
+    More than ``max_restarts`` restarts within ``window`` seconds is a crash loop: ``run`` raises
+    ``LauncherError`` and leaves the server stopped, as a container's restart policy would back
+    off. ``events`` records (monotonic time, what happened) for tests and logs.
+    """
+
+    def __init__(self, server: TritonServer, interval: float = 2.0, restart_grace: float = 10.0,
+                 unresponsive_checks: int = 3, max_restarts: int = 5, window: float = 600.0,
+                 log=print) -> None:
+        self.server = server
+        self.interval = interval
+        self.restart_grace = restart_grace
+        self.unresponsive_checks = unresponsive_checks
+        self.max_restarts = max_restarts
+        self.window = window
+        self.log = log
+        self.events: list[tuple[float, str]] = []
+        self.restarts: list[float] = []
+        self._unresponsive = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.error: BaseException | None = None
+
+    def problem(self) -> str | None:
+        """Why the server needs a restart now, or None."""
+        process = self.server.process
+        if process is None or process.poll() is not None:
+            code = None if process is None else process.returncode
+            return f"tritonserver is not running (exit code {code})"
+        report = self.server.liveness()
+        if report.zombies or report.missing:
+            self._unresponsive = 0
+            return report.summary()
+        if not report.live:
+            self._unresponsive += 1
+            if self._unresponsive >= self.unresponsive_checks:
+                return report.summary() + f" ({self._unresponsive} checks in a row)"
+            return None
+        self._unresponsive = 0
+        return None
+
+    def restart(self, reason: str) -> None:
+        now = time.monotonic()
+        self.restarts = [t for t in self.restarts if now - t < self.window] + [now]
+        self.events.append((now, f"restart: {reason}"))
+        if len(self.restarts) > self.max_restarts:
+            self.server.stop(self.restart_grace)
+            raise LauncherError(f"tritonserver needed {len(self.restarts)} restarts within "
+                                f"{self.window:.0f} s; giving up. Last reason: {reason}")
+        self.log(f"supervisor: {reason}; restarting tritonserver "
+                 f"(restart {len(self.restarts)} within {self.window:.0f} s)")
+        self.server.stop(self.restart_grace)
+        self.server.start()
+        self._unresponsive = 0
+        self.events.append((time.monotonic(), "ready"))
+        self.log(f"supervisor: tritonserver is ready again after "
+                 f"{time.monotonic() - now:.1f} s")
+
+    def check_once(self) -> bool:
+        """One check, and a restart if needed. True if the server was restarted."""
+        reason = self.problem()
+        if reason is None:
+            return False
+        self.restart(reason)
+        return True
+
+    def run(self, stop: threading.Event | None = None) -> None:
+        """Check every ``interval`` seconds until ``stop`` (or ``self.stop()``) is set."""
+        stop = stop or self._stop
+        while not stop.wait(self.interval) and not self._stop.is_set():
+            self.check_once()
+
+    # -- in a background thread (tests, embedding) ----------------------------------------
+    def start(self) -> "Supervisor":
+        def guarded() -> None:
+            try:
+                self.run()
+            except BaseException as error:  # noqa: BLE001 - kept for the owner to inspect
+                self.error = error
+                self.log(f"supervisor stopped: {error}")
+
+        self._thread = threading.Thread(target=guarded, name="tritonserver-supervisor",
+                                        daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
 
 
 def failed_models(log: str) -> dict[str, str]:

@@ -4,17 +4,22 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import time
 import urllib.request
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
+from bls_models import spec as S
 from bls_models.metrics import FLUSH_SECONDS
-from modelgen import nets
+from modelgen import configs, export, nets
+from tritonlocal import ServerOptions
+from tritonlocal.runtime import free_ports
 
 # Triton error code -> what each protocol's client reports.
 STATUS = {
@@ -22,6 +27,25 @@ STATUS = {
     "grpc": {"INVALID_ARG": "StatusCode.INVALID_ARGUMENT", "UNAVAILABLE": "StatusCode.UNAVAILABLE",
              "INTERNAL": "StatusCode.INTERNAL", "CANCELLED": "StatusCode.CANCELLED"},
 }
+
+
+def server_options(repository: Path, tmp_path: Path, **kw) -> ServerOptions:
+    """Options for one more server: free ports, its log in ``tmp_path``."""
+    http, grpc, metrics = free_ports(3)
+    return ServerOptions(repository, http_port=http, grpc_port=grpc, metrics_port=metrics,
+                         log_file=tmp_path / "server.log", **kw)
+
+
+def make_repository(target: Path, source: Path, *models: S.ModelSpec, onnx_from=None) -> Path:
+    """A repository holding ``models`` (configs rendered from their specs, ONNX files copied)."""
+    onnx_from = onnx_from or {}
+    for model in models:
+        (target / model.name / "1").mkdir(parents=True)
+        (target / model.name / "config.pbtxt").write_text(configs.render(model))
+        donor = onnx_from.get(model.name, model)
+        if donor is not None:
+            shutil.copy(export.onnx_path(source, donor), export.onnx_path(target, model))
+    return target
 
 
 @dataclass

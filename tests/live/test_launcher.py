@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -17,30 +16,13 @@ import pytest
 import tritonclient.grpc as grpcclient
 
 from bls_models import spec as S
-from modelgen import configs, export
-from tritonlocal import LauncherError, ServerOptions, TritonServer
+from tests.live.support import make_repository
+from tests.live.support import server_options as options
+from tritonlocal import LauncherError, TritonServer
 from tritonlocal.launcher import kill_orphaned_stubs, remove_stale_regions, shm_regions
 from tritonlocal.runtime import free_ports
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def options(repository: Path, tmp_path: Path, **kw) -> ServerOptions:
-    http, grpc, metrics = free_ports(3)
-    return ServerOptions(repository, http_port=http, grpc_port=grpc, metrics_port=metrics,
-                         log_file=tmp_path / "server.log", **kw)
-
-
-def make_repository(target: Path, source: Path, *models: S.ModelSpec, onnx_from=None) -> Path:
-    """A repository holding ``models`` (configs rendered from their specs, ONNX files copied)."""
-    onnx_from = onnx_from or {}
-    for model in models:
-        (target / model.name / "1").mkdir(parents=True)
-        (target / model.name / "config.pbtxt").write_text(configs.render(model))
-        donor = onnx_from.get(model.name, model)
-        if donor is not None:
-            shutil.copy(export.onnx_path(source, donor), export.onnx_path(target, model))
-    return target
 
 
 def group_alive(pid: int) -> bool:
@@ -132,14 +114,14 @@ def test_a_launcher_start_kills_stubs_whose_server_is_gone(tmp_path):
             process.wait()
 
 
-def spawn_serve(repository: Path, tmp_path: Path):
+def spawn_serve(repository: Path, tmp_path: Path, *extra: str):
     """`python -m tritonlocal serve` (what `make serve` runs) over a one-model repository."""
     repo = make_repository(tmp_path / "repo", repository, S.PREPROCESS)
     ports = free_ports(3)
     launcher = subprocess.Popen(
         [sys.executable, "-m", "tritonlocal", "serve", "--quiet", "--model-repository", str(repo),
          "--http-port", str(ports[0]), "--grpc-port", str(ports[1]),
-         "--metrics-port", str(ports[2]), "--log-file", str(tmp_path / "server.log")],
+         "--metrics-port", str(ports[2]), "--log-file", str(tmp_path / "server.log"), *extra],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     return launcher, ports
 

@@ -15,9 +15,8 @@ import tritonclient.utils.shared_memory as shm
 from tritonclient.utils import InferenceServerException
 
 from bls_models import spec as S
-from tests.live.test_launcher import make_repository
+from tests.live.support import make_repository, server_options
 from tritonlocal import LauncherError, ServerOptions, TritonServer
-from tritonlocal.runtime import free_ports
 
 HEADER = ("triton-admin-key", f"k{uuid.uuid4().hex}")
 
@@ -25,10 +24,7 @@ HEADER = ("triton-admin-key", f"k{uuid.uuid4().hex}")
 @pytest.fixture(scope="module")
 def restricted(repository, tmp_path_factory):
     repo = make_repository(tmp_path_factory.mktemp("restricted") / "repo", repository, S.PREPROCESS)
-    http, grpc_port, metrics = free_ports(3)
-    options = ServerOptions(repo, http_port=http, grpc_port=grpc_port, metrics_port=metrics,
-                            log_file=tmp_path_factory.mktemp("restricted-log") / "server.log",
-                            admin_header=HEADER)
+    options = server_options(repo, tmp_path_factory.mktemp("restricted-log"), admin_header=HEADER)
     with TritonServer(options) as server:
         yield server
 

@@ -1,0 +1,258 @@
+"""A python stub killed under load. Triton 2.51 never restarts it and keeps answering "ready", so:
+in-flight requests must get errors within their deadline (not hang), ``tritonlocal.liveness``
+(the supervisor's check, and the Kubernetes liveness probe) must see the dead stub, and the
+supervisor must restart the server so that requests succeed again, within 60 s.
+
+Each test here starts its own server over the committed repository (about 4 s); the session
+server is never disturbed."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+import tritonclient.grpc.aio as grpcaio
+
+from tests.live.support import image, server_options
+from tests.live.test_launcher import spawn_serve
+from tritonlocal import TritonServer
+from tritonlocal.launcher import Supervisor
+from tritonlocal.liveness import stubs_of
+
+ROOT = Path(__file__).resolve().parents[2]
+RECOVERY_LIMIT = 60.0     # the promise: serving again within 60 s of a stub's death
+DEADLINE = 2.0            # each request's own deadline (Triton timeout), seconds
+SLACK = 0.5               # answered within DEADLINE + SLACK, or it counts as a hang
+
+
+@pytest.fixture
+def fresh(repository, tmp_path):
+    with TritonServer(server_options(repository, tmp_path, stop_grace=5.0)) as server:
+        yield server
+
+
+def probe(server: TritonServer, *extra: str, pid: bool = True) -> subprocess.CompletedProcess:
+    """The liveness command exactly as a Kubernetes exec probe would run it."""
+    command = [sys.executable, "-m", "tritonlocal.liveness", "--url", server.http_url, "--json",
+               "--stub-backend", "onnxruntime", *extra]
+    if pid:
+        command += ["--server-pid", str(server.process.pid)]
+    return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=60)
+
+
+def http_status(server: TritonServer, path: str) -> int:
+    with urllib.request.urlopen(f"http://{server.http_url}{path}", timeout=10) as response:
+        return response.status
+
+
+def instance_of(pid: int) -> str:
+    return Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[8].decode()
+
+
+def kill_and_wait_dead(pid: int) -> None:
+    os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
+                return
+        except FileNotFoundError:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"stub {pid} still alive 10 s after SIGKILL")
+
+
+def test_the_probe_sees_a_killed_stub_that_triton_still_calls_ready(fresh, server):
+    healthy = probe(fresh)
+    assert healthy.returncode == 0, healthy.stdout + healthy.stderr
+    report = json.loads(healthy.stdout)
+    assert {"pipeline", "classifier", "tagger_tags"} <= set(report["checked_models"])
+    assert report["missing"] == [] and report["zombies"] == []
+
+    victim = fresh.stub_pids("classifier")[0]
+    instance = instance_of(victim)
+    kill_and_wait_dead(victim)
+
+    # What Triton itself says: still ready, while the instance fails requests routed to it.
+    assert http_status(fresh, "/v2/health/ready") == 200
+    assert http_status(fresh, "/v2/models/classifier/ready") == 200
+    client = grpcclient.InferenceServerClient(fresh.grpc_url)
+    data = np.random.default_rng(0).standard_normal((1, 3, 224, 224), dtype=np.float32)
+    failures = []
+    for _ in range(200):
+        inputs = [grpcclient.InferInput("PIXELS", data.shape, "FP32")]
+        inputs[0].set_data_from_numpy(data)
+        try:
+            client.infer("classifier", inputs)
+        except Exception as error:  # noqa: BLE001 - the failure is what we look for
+            failures.append(str(error))
+            break
+    client.close()
+    assert failures and f"Stub process '{instance}' is not healthy" in failures[0], failures
+
+    dead = probe(fresh)
+    assert dead.returncode == 1, dead.stdout + dead.stderr
+    report = json.loads(dead.stdout)
+    assert report["missing"] == [instance]
+    assert set(report["zombies"]) <= {victim}
+    assert report["live"] is True, "Triton's own liveness does not see it"
+    # Without --server-pid the probe needs exactly one tritonserver; here there are two.
+    unsure = probe(fresh, pid=False)
+    assert unsure.returncode == 2 and "--server-pid" in unsure.stderr
+
+
+async def _load(url: str, stop: threading.Event, log: list, concurrency: int = 8) -> None:
+    """Requests to `pipeline` with at most ``concurrency`` in flight until ``stop``; each
+    (start, end, error or None) goes to ``log``."""
+    client = grpcaio.InferenceServerClient(url)
+    data = image(3)
+
+    async def worker(index: int) -> None:
+        sequence = 0
+        while not stop.is_set():
+            inputs = [grpcaio.InferInput("IMAGE", data.shape, "UINT8")]
+            inputs[0].set_data_from_numpy(data)
+            started = time.monotonic()
+            try:
+                await client.infer("pipeline", inputs, request_id=f"w{index}-{sequence}",
+                                   timeout=int(DEADLINE * 1e6), client_timeout=DEADLINE + 30)
+                error = None
+            except Exception as failure:  # noqa: BLE001 - recorded
+                error = str(failure)
+                await asyncio.sleep(0.05)  # no busy loop while the server restarts
+            log.append((started, time.monotonic(), error))
+            sequence += 1
+
+    try:
+        await asyncio.gather(*(worker(i) for i in range(concurrency)))
+    finally:
+        await client.close()
+
+
+def test_a_stub_killed_under_load_is_recovered_by_the_supervisor(fresh):
+    events: list[str] = []
+    supervisor = Supervisor(fresh, interval=1.0, restart_grace=5.0, log=events.append).start()
+    stop, log = threading.Event(), []
+    loader = threading.Thread(target=lambda: asyncio.run(_load(fresh.grpc_url, stop, log)))
+    loader.start()
+    try:
+        time.sleep(3.0)
+        victim = fresh.stub_pids("classifier")[0]
+        killed_at = time.monotonic()
+        os.kill(victim, signal.SIGKILL)
+        # Wait for the restart, then for requests to succeed again.
+        recovered_at = None
+        while time.monotonic() - killed_at < RECOVERY_LIMIT + 10:
+            time.sleep(0.2)
+            after = [entry for entry in log if entry[0] > killed_at]
+            ready = [t for t, what in supervisor.events if what == "ready"]
+            if ready:
+                ok = [end for start, end, error in after if start > ready[0] and error is None]
+                if len(ok) >= 50:
+                    recovered_at = ok[0]
+                    break
+    finally:
+        stop.set()
+        loader.join(60)
+        supervisor.stop()
+    assert supervisor.error is None, supervisor.error
+    assert recovered_at is not None, f"not serving again after {RECOVERY_LIMIT + 10} s: {events}"
+
+    before = [entry for entry in log if entry[1] < killed_at]
+    restart = [t for t, what in supervisor.events if what.startswith("restart")]
+    ready = [t for t, what in supervisor.events if what == "ready"]
+    failed = [entry for entry in log if entry[2] is not None]
+    slowest = max(end - start for start, end, _ in log)
+    print(f"\nstub killed; detected after {restart[0] - killed_at:.1f} s, server ready after "
+          f"{ready[0] - killed_at:.1f} s, first success after {recovered_at - killed_at:.1f} s; "
+          f"{len(log)} requests, {len(failed)} errors, slowest {slowest:.2f} s")
+    assert all(error is None for _, _, error in before), "errors before the kill"
+    assert len(restart) == 1 and "classifier" in supervisor.events[0][1], supervisor.events
+    assert recovered_at - killed_at < RECOVERY_LIMIT
+    assert slowest < DEADLINE + SLACK, "a request outlived its deadline: a hang"
+    assert failed, "the kill had no visible effect: the test did not test anything"
+    # Afterwards: every stub is a new, live process and the check agrees.
+    assert victim not in fresh.stub_pids("classifier")
+    assert len(fresh.stub_pids("classifier")) == 4
+    # The server the supervisor's thread started outlives that thread (PR_SET_PDEATHSIG is
+    # per thread: tritonlocal.launcher spawns every server from one long-lived thread).
+    time.sleep(1.0)
+    assert fresh.is_running() and fresh.liveness().ok
+
+
+def test_the_supervisor_restarts_a_server_that_died(fresh):
+    supervisor = Supervisor(fresh, interval=0.5, restart_grace=5.0, log=lambda _: None)
+    first = fresh.process.pid
+    os.kill(first, signal.SIGKILL)
+    fresh.process.wait()
+    assert supervisor.check_once() is True
+    assert fresh.process.pid != first and fresh.liveness().ok
+    assert [what for _, what in supervisor.events][0].startswith("restart: tritonserver is not running")
+    with pytest.raises(ProcessLookupError):  # nothing of the dead server's group is left
+        os.killpg(first, 0)
+
+
+def test_a_crash_loop_makes_the_supervisor_give_up(fresh):
+    supervisor = Supervisor(fresh, interval=0.5, restart_grace=2.0, max_restarts=0,
+                            log=lambda _: None)
+    kill_and_wait_dead(fresh.stub_pids("preprocess")[0])
+    with pytest.raises(Exception, match="giving up"):
+        supervisor.check_once()
+    assert not fresh.is_running()
+
+
+def test_make_serve_restarts_the_server_when_a_stub_dies(repository, tmp_path):
+    """The same recovery through `python -m tritonlocal serve` (what `make serve` runs)."""
+    launcher, ports = spawn_serve(repository, tmp_path, "--check-interval", "1")
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(iter(launcher.stdout.readline, "")),
+                              daemon=True)
+    reader.start()
+    try:
+        deadline = time.monotonic() + 120
+        while not any("is ready" in line for line in lines):
+            assert launcher.poll() is None and time.monotonic() < deadline, "".join(lines)
+            time.sleep(0.2)
+        stubs = [s.pid for s in stubs_of(server_pid(launcher.pid)) if s.state != "Z"]
+        assert stubs
+        killed_at = time.monotonic()
+        os.kill(stubs[0], signal.SIGKILL)
+        while not any("ready again" in line for line in lines):
+            assert time.monotonic() - killed_at < RECOVERY_LIMIT, "".join(lines)
+            time.sleep(0.2)
+        restart = next(line for line in lines if "restarting tritonserver" in line)
+        assert "preprocess_0_" in restart and "without a live stub" in restart
+        client = grpcclient.InferenceServerClient(f"127.0.0.1:{ports[1]}")
+        pixels = image(1)
+        inputs = [grpcclient.InferInput("IMAGE", pixels.shape, "UINT8")]
+        inputs[0].set_data_from_numpy(pixels)
+        assert client.infer("preprocess", inputs).as_numpy("PIXELS").shape == (1, 3, 224, 224)
+        client.close()
+    finally:
+        launcher.send_signal(signal.SIGINT)
+        launcher.wait(60)
+    assert launcher.returncode == 0, "".join(lines)
+
+
+def server_pid(launcher_pid: int) -> int:
+    """The tritonserver child of a `python -m tritonlocal serve` process."""
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if "(tritonserver)" in stat and int(stat.rsplit(")", 1)[1].split()[1]) == launcher_pid:
+                return int(entry.name)
+    raise AssertionError("no tritonserver child")

@@ -1,0 +1,252 @@
+"""Is every python-backend stub of a tritonserver alive? The check Triton 2.51 does not make.
+
+A python-backend model instance runs in its own stub process. When that process dies (killed by
+the OOM killer, a segfault in a native library, ``os._exit``), this Triton build never restarts
+it: the instance answers ``Stub process '<instance>' is not healthy.`` to every request routed to
+it, while ``/v2/health/live``, ``/v2/health/ready`` and ``/v2/models/<m>/ready`` keep answering
+200. This module finds such instances from outside the server:
+
+* **zombies** — a stub is tritonserver's child and the server does not reap a dead one, so a
+  killed stub stays in ``/proc`` in state ``Z`` (its command line is gone, its name is not);
+* **missing instances** — every loaded model served by a stub backend (``python``, plus any
+  python-based backend such as this project's local ``onnxruntime``) must have one live stub per
+  instance its config declares (``<group name>_<index>``, the stub's argv[8]); an instance
+  without one has died, whether or not the server reaped it.
+
+It also asks ``/v2/health/live``, so one check covers the server and its stubs. It uses only
+the standard library, reads ``/proc`` of the server's PID namespace and calls only endpoints
+that stay open under the launcher's admin header (health, statistics, model config), so the same
+command serves as a Kubernetes liveness probe inside the container::
+
+    python3 -m tritonlocal.liveness --url localhost:8000     # exit 0 alive, 1 not, 2 unknown
+
+The launcher's supervisor (``tritonlocal.launcher.Supervisor``) runs the same check in-process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+import urllib.error
+import urllib.parse
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+PROC = Path("/proc")
+STUB_COMM = "triton_python_b"   # /proc/<pid>/comm: the first 15 bytes of the executable's name
+SERVER_COMM = "tritonserver"
+STUB_BACKENDS = ("python",)
+
+ALIVE, NOT_ALIVE, UNKNOWN = 0, 1, 2   # exit codes of the command
+
+
+@dataclass(frozen=True)
+class Stub:
+    pid: int
+    state: str            # /proc/<pid>/stat state: R, S, D, Z, ...
+    instance: str | None  # "<model>_<group>_<index>"; None once a zombie has lost its argv
+
+
+@dataclass
+class Report:
+    server_pid: int
+    live: bool                                   # /v2/health/live answered 200
+    zombies: list[int] = field(default_factory=list)
+    missing: list[str] = field(default_factory=list)   # instances with no live stub
+    checked_models: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)     # what could not be checked, and why
+
+    @property
+    def ok(self) -> bool:
+        return self.live and not self.zombies and not self.missing
+
+    @property
+    def dead_models(self) -> list[str]:
+        return sorted({model_of(instance) for instance in self.missing})
+
+    def summary(self) -> str:
+        if self.ok:
+            return (f"alive: tritonserver {self.server_pid} is live and every stub of "
+                    f"{len(self.checked_models)} stub-backed model(s) is running")
+        problems = []
+        if not self.live:
+            problems.append("/v2/health/live did not answer 200")
+        if self.missing:
+            problems.append(f"instance(s) without a live stub: {', '.join(self.missing)} "
+                            f"(model(s) {', '.join(self.dead_models)})")
+        if self.zombies:
+            problems.append(f"dead stub process(es) not reaped by the server: "
+                            f"{', '.join(map(str, self.zombies))}")
+        return f"NOT alive: tritonserver {self.server_pid}: " + "; ".join(problems)
+
+    def as_dict(self) -> dict:
+        return {"ok": self.ok, "server_pid": self.server_pid, "live": self.live,
+                "zombies": self.zombies, "missing": self.missing, "dead_models": self.dead_models,
+                "checked_models": self.checked_models, "notes": self.notes}
+
+
+class CheckError(RuntimeError):
+    """The check itself could not be made (no server found)."""
+
+
+# -- processes ----------------------------------------------------------------------------------
+def _stat(pid: int) -> tuple[str, str, int]:
+    """(comm, state, parent pid) of a process."""
+    text = (PROC / str(pid) / "stat").read_text()
+    comm = text[text.index("(") + 1:text.rindex(")")]
+    state, ppid = text[text.rindex(")") + 2:].split()[:2]
+    return comm, state, int(ppid)
+
+
+def server_pids() -> list[int]:
+    """Every process named tritonserver in this PID namespace."""
+    found = []
+    for entry in PROC.iterdir():
+        if entry.name.isdigit():
+            try:
+                if _stat(int(entry.name))[0] == SERVER_COMM:
+                    found.append(int(entry.name))
+            except (OSError, ValueError):
+                continue
+    return sorted(found)
+
+
+def stubs_of(server_pid: int) -> list[Stub]:
+    """The server's python-backend stub children, dead (zombie) ones included."""
+    stubs = []
+    for entry in PROC.iterdir():
+        if not entry.name.isdigit():
+            continue
+        pid = int(entry.name)
+        try:
+            comm, state, ppid = _stat(pid)
+            if ppid != server_pid or not comm.startswith(STUB_COMM):
+                continue
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except (OSError, ValueError):
+            continue
+        instance = argv[8].decode(errors="replace") if len(argv) > 8 and argv[8] else None
+        stubs.append(Stub(pid, state, instance))
+    return sorted(stubs, key=lambda s: s.pid)
+
+
+# -- what the server should have ----------------------------------------------------------------
+def _get(url: str, path: str, timeout: float, headers: dict[str, str]) -> tuple[int, bytes]:
+    request = urllib.request.Request(f"http://{url}{path}", headers=headers)
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            return response.status, response.read()
+    except urllib.error.HTTPError as error:
+        return error.code, error.read()
+
+
+def instance_names(config: dict) -> list[str]:
+    """The instances Triton creates for a (normalised) model config: ``<group name>_<index>``,
+    ``count`` per group, times the number of GPUs for a KIND_GPU group."""
+    names = []
+    for group in config.get("instance_group", []):
+        count = int(group.get("count", 1))
+        if group.get("kind") == "KIND_GPU":
+            count *= max(1, len(group.get("gpus", [])))
+        names.extend(f"{group['name']}_{index}" for index in range(count))
+    return names
+
+
+def expected_instances(url: str, stub_backends=STUB_BACKENDS, timeout: float = 5.0,
+                       headers: dict[str, str] | None = None) -> dict[str, list[str]]:
+    """Model -> instance names, for every loaded model whose backend runs in stubs."""
+    headers = headers or {}
+    status, body = _get(url, "/v2/models/stats", timeout, headers)
+    if status != 200:
+        raise CheckError(f"/v2/models/stats answered {status}: {body[:200]!r}")
+    models = sorted({entry["name"] for entry in json.loads(body).get("model_stats", [])})
+    expected: dict[str, list[str]] = {}
+    for model in models:
+        status, body = _get(url, f"/v2/models/{urllib.parse.quote(model)}/config", timeout, headers)
+        if status != 200:
+            raise CheckError(f"/v2/models/{model}/config answered {status}: {body[:200]!r}")
+        config = json.loads(body)
+        if config.get("backend") in stub_backends:
+            expected[model] = instance_names(config)
+    return expected
+
+
+# -- the check ----------------------------------------------------------------------------------
+def check(url: str, server_pid: int | None = None, stub_backends=STUB_BACKENDS,
+          timeout: float = 5.0, headers: dict[str, str] | None = None) -> Report:
+    if server_pid is None:
+        servers = server_pids()
+        if len(servers) != 1:
+            raise CheckError(f"expected one tritonserver process, found {servers or 'none'}; "
+                             "pass --server-pid")
+        server_pid = servers[0]
+    if not (PROC / str(server_pid)).exists():
+        raise CheckError(f"no process {server_pid}")
+    notes = []
+    try:
+        status = _get(url, "/v2/health/live", timeout, headers or {})[0]
+        if status != 200:
+            notes.append(f"/v2/health/live answered {status}")
+    except (urllib.error.URLError, OSError) as error:
+        status = None
+        notes.append(f"/v2/health/live: {error}")
+    live = status == 200
+    stubs = stubs_of(server_pid)
+    report = Report(server_pid=server_pid, live=live, notes=notes,
+                    zombies=[s.pid for s in stubs if s.state == "Z"])
+    running = {s.instance for s in stubs if s.state != "Z" and s.instance}
+    if live:
+        try:
+            expected = expected_instances(url, stub_backends, timeout, headers)
+        except (CheckError, urllib.error.URLError, OSError, ValueError) as error:
+            report.notes.append(f"instances not checked: {error}")
+        else:
+            report.checked_models = sorted(expected)
+            report.missing = sorted(name for names in expected.values() for name in names
+                                    if name not in running)
+    return report
+
+
+def model_of(instance: str) -> str:
+    """``classifier_0_1`` -> ``classifier``."""
+    match = re.fullmatch(r"(.+)_\d+_\d+", instance)
+    return match.group(1) if match else instance
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m tritonlocal.liveness",
+        description="Exit 0 if tritonserver is live and every python-backend stub it started is "
+                    "running, 1 if not, 2 if it cannot tell (usable as a Kubernetes exec probe).")
+    parser.add_argument("--url", default=os.environ.get("TRITON_HTTP_URL", "localhost:8000"),
+                        help="tritonserver's HTTP endpoint, host:port (default $TRITON_HTTP_URL "
+                             "or localhost:8000)")
+    parser.add_argument("--server-pid", type=int,
+                        help="the tritonserver process (default: the only one in this PID namespace)")
+    parser.add_argument("--stub-backend", action="append", default=[],
+                        help="a backend whose models run in python stubs, besides 'python' "
+                             "(e.g. a python-based backend); repeatable")
+    parser.add_argument("--header", action="append", default=[], metavar="NAME=VALUE",
+                        help="an HTTP header to send (if statistics or model config are restricted)")
+    parser.add_argument("--timeout", type=float, default=5.0, help="seconds per HTTP call")
+    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    args = parser.parse_args(argv)
+    headers = dict(h.split("=", 1) for h in args.header if "=" in h)
+    try:
+        report = check(args.url, args.server_pid, (*STUB_BACKENDS, *args.stub_backend),
+                       args.timeout, headers)
+    except CheckError as error:
+        print(f"unknown: {error}", file=sys.stderr)
+        return UNKNOWN
+    print(json.dumps(report.as_dict()) if args.json else report.summary())
+    for note in report.notes:
+        print(f"note: {note}", file=sys.stderr)
+    return ALIVE if report.ok else NOT_ALIVE
+
+
+if __name__ == "__main__":
+    sys.exit(main())
