@@ -37,7 +37,8 @@ FAMILIES: dict[str, tuple[str, str]] = {
     "bls_inflight_requests": (
         "GAUGE", "Requests being orchestrated right now"),
     "bls_inflight_subrequests": (
-        "GAUGE", "Sub-requests issued and not yet finished, abandoned ones included"),
+        "GAUGE", "Sub-requests sent to a sub-model and not yet answered, abandoned ones "
+                 "included (at most subrequest_threads per instance)"),
 }
 
 

@@ -252,8 +252,6 @@ class Orchestrator:
         started = time.monotonic()
         future = self.subrequests.submit(self._exec, handoff, started + limit, list(output_names),
                                          reduce)
-        self._gauge("bls_inflight_subrequests", +1)
-        future.add_done_callback(lambda _: self._post(self._gauge, "bls_inflight_subrequests", -1))
         waiter = asyncio.wrap_future(future, loop=self.loop)
         try:
             done, _ = await asyncio.wait({waiter}, timeout=limit)
@@ -291,7 +289,11 @@ class Orchestrator:
         try:
             if time.monotonic() >= expires:
                 return Outcome(expired=True)
-            response = request.exec()  # blocks (GIL released) until the sub-model answers
+            self._gauge("bls_inflight_subrequests", +1)
+            try:
+                response = request.exec()  # blocks (GIL released) until the sub-model answers
+            finally:
+                self._gauge("bls_inflight_subrequests", -1)
             with self.lock:
                 if response.has_error():
                     return Outcome(error=response.error().message())

@@ -9,6 +9,10 @@ sub-request, so a test steers one stage of one request by naming this model in t
     "fault_crash:crash"                        kill this stub process (os._exit)
 
 Several directives can be joined with ';'. Directives for other models are ignored.
+
+A model can also be made slow for every request, as a degraded dependency would be: while the
+file ``slow_ms`` exists in its model directory, each execution first sleeps that many
+milliseconds (tests write it, then remove it to let the model recover).
 """
 
 import json
@@ -26,6 +30,14 @@ class TritonPythonModel:
         self.outputs = {t["name"]: (pb_utils.triton_string_to_numpy(t["data_type"]),
                                     [int(d) for d in t["dims"]]) for t in config["output"]}
         self.input_name = config["input"][0]["name"]
+        self.slow_file = os.path.join(args["model_repository"], "slow_ms")
+
+    def slowdown_ms(self):
+        try:
+            with open(self.slow_file) as handle:
+                return float(handle.read())
+        except (OSError, ValueError):
+            return 0.0
 
     def directives(self, request):
         found = []
@@ -38,8 +50,8 @@ class TritonPythonModel:
     def execute(self, requests):
         plans = [self.directives(request) for request in requests]
         # Delays apply to the whole batch (tests send a slow request alone).
-        delay = max((float(arg) for plan in plans for action, arg in plan if action == "delay"),
-                    default=0.0)
+        delay = max([float(arg) for plan in plans for action, arg in plan if action == "delay"]
+                    + [self.slowdown_ms()])
         if delay:
             time.sleep(delay / 1000.0)
         responses = []

@@ -37,6 +37,8 @@ FAULT_MODELS = (
                                         max_queue_size=2)),
     # Killed by the crash test; nothing else uses it.
     fault_model("fault_crash", S.CLASSIFIER, instances=1),
+    # Made slow for a while, then recovered, by the degradation test (its slow_ms file).
+    fault_model("fault_slow", S.CLASSIFIER),
 )
 
 
@@ -55,15 +57,39 @@ VARIANTS = (
     variant(S.PIPELINE, "pipeline_crash", preprocess_model="fault_preprocess",
             classifier_model="fault_crash", embedder_model="fault_embedder",
             default_deadline_ms="3000"),
+    # 8 sub-request threads per instance: a slow classifier fills them (the degradation test).
+    variant(S.PIPELINE, "pipeline_slow", preprocess_model="fault_preprocess",
+            classifier_model="fault_slow", embedder_model="fault_embedder",
+            default_deadline_ms="1000", subrequest_threads="8"),
 )
 
+
+def variant_named(name: str) -> S.ModelSpec:
+    return next(model for model in VARIANTS if model.name == name)
+
+
+def real_model_variants(real_repository: Path) -> tuple[S.ModelSpec, ...]:
+    """Orchestrator variants over the real sub-models (found in ``real_repository``)."""
+    return (
+        # Admits little: 2 instances x 4 in flight and a queue of 8, so a burst of a few hundred
+        # is mostly refused (the overload test).
+        dataclasses.replace(
+            variant(S.PIPELINE, "pipeline_admission", max_inflight_requests="4",
+                    stage_model_repositories=str(real_repository)),
+            batching=dataclasses.replace(S.PIPELINE.batching, max_queue_size=8)),
+    )
+
 BASE_OF = {"pipeline_faulty": "pipeline", "tag_pipeline_faulty": "tag_pipeline",
-           "pipeline_queue": "pipeline", "pipeline_crash": "pipeline"}
+           "pipeline_queue": "pipeline", "pipeline_crash": "pipeline",
+           "pipeline_slow": "pipeline", "pipeline_admission": "pipeline"}
 
 
-def build(target: Path, real_repository: Path, variants=VARIANTS, base_of=None) -> Path:
-    """Write the fault models and ``variants`` into ``target`` (a fresh directory)."""
+def build(target: Path, real_repository: Path, variants=None, base_of=None) -> Path:
+    """Write the fault models and ``variants`` (default: VARIANTS and the real-model variants)
+    into ``target`` (a fresh directory)."""
     base_of = base_of or BASE_OF
+    if variants is None:
+        variants = (*VARIANTS, *real_model_variants(real_repository))
     for model in FAULT_MODELS:
         write(target, model, FAULT_MODEL)
     for model in variants:

@@ -68,6 +68,13 @@ class ServerOptions:
     # stayed at 32 MiB (docs/orchestrator.md). Growth is in large steps for the same reason.
     shm_default_bytes: int = 32 * 2**20
     shm_growth_bytes: int = 16 * 2**20
+    # The python backend's per-instance pool of server-side threads (undocumented
+    # ``thread-pool-size``, default 32). Each BLS call in flight holds one until the sub-model
+    # answers, and each response a stub sends needs one too: with an orchestrator's
+    # ``subrequest_threads`` (64) at or above the pool size, responses waited behind sub-requests
+    # to a slow model and deadline errors arrived up to 0.9 s late. Keep it above the largest
+    # ``subrequest_threads`` (tests/unit/test_configs.py checks).
+    python_thread_pool: int = 96
     # (header name, value): the RESTRICTED_APIS answer only requests that carry this header, over
     # HTTP and gRPC (Triton's --http-restricted-api / --grpc-restricted-protocol). None: open.
     admin_header: tuple[str, str] | None = None
@@ -155,6 +162,7 @@ class TritonServer:
             f"--log-verbose={opts.log_verbose}",
             f"--backend-config=python,shm-default-byte-size={opts.shm_default_bytes}",
             f"--backend-config=python,shm-growth-byte-size={opts.shm_growth_bytes}",
+            f"--backend-config=python,thread-pool-size={opts.python_thread_pool}",
             # A prefix unique to this server, so stop() can remove exactly its regions if a stub
             # could not (killed stubs leave their /dev/shm files behind).
             f"--backend-config=python,shm-region-prefix-name={self._shm_prefix}",

@@ -121,3 +121,17 @@ def test_generator_rejects_a_field_triton_does_not_know():
     bad["dynamic_batching"]["max_queue_delay_ms"] = 1
     with pytest.raises(Exception, match="max_queue_delay_ms"):
         configs.to_proto(bad)
+
+
+def test_the_python_backend_thread_pool_exceeds_every_orchestrators_subrequest_threads():
+    """Each BLS call in flight holds one of the python backend's per-instance server threads and
+    each response sent needs one: with no spare thread, responses wait behind sub-requests to a
+    slow model (tests/live/test_degradation.py saw deadline errors 0.9 s late)."""
+    from bls_models.params import DEFAULTS
+    from modelgen import variants
+    from tritonlocal import ServerOptions
+
+    pool = ServerOptions(model_repository=".").python_thread_pool
+    orchestrators = [*S.BLS_MODELS, *variants.VARIANTS]
+    threads = {m.name: int(m.parameters.get("subrequest_threads", DEFAULTS["subrequest_threads"])) for m in orchestrators}
+    assert max(threads.values()) < pool, threads
