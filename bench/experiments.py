@@ -23,6 +23,10 @@ from modelgen import export, nets, variants
 SHM_OUTPUT_BYTES = 4 * 512 * 14041 + 1024  # one tagger output (28.7 MB) for perf_analyzer's shm
 LONG_DEADLINE_PIPELINE = "pipeline_deadline_120s"
 LOGITS_TAG_PIPELINE = "tag_pipeline_logits"  # tag_pipeline over `tagger`: reduced in the stub
+# `pipeline` admitting what this machine answers within about a second (~70 req/s): 2 x 8 in
+# flight (plus a batch of 16 being handed over) and a queue of 16, 64 in all, against the
+# committed 2 x 512 in flight and a queue of 4 096.
+SHEDDING_PIPELINE = "pipeline_shed"
 ACCOUNTING_CONCURRENCY = 16  # both cores busy for every way of serving the pipeline
 
 
@@ -79,7 +83,13 @@ def variant_specs(repository: Path) -> list[tuple[S.ModelSpec, str]]:
     logits = dataclasses.replace(S.TAG_PIPELINE, name=LOGITS_TAG_PIPELINE,
                                  parameters={**S.TAG_PIPELINE.parameters, "tagger_model": "tagger",
                                              "stage_model_repositories": str(repository)})
-    return ([(sequential, "pipeline"), (budget, "pipeline"), (logits, "tag_pipeline")]
+    shedding = dataclasses.replace(
+        S.PIPELINE, name=SHEDDING_PIPELINE,
+        parameters={**S.PIPELINE.parameters, "max_inflight_requests": "8",
+                    "stage_model_repositories": str(repository)},
+        batching=dataclasses.replace(S.PIPELINE.batching, max_queue_size=16))
+    return ([(sequential, "pipeline"), (budget, "pipeline"), (logits, "tag_pipeline"),
+             (shedding, "pipeline")]
             + [(t, "tagger") for t in taggers]
             + [(d, "pipeline") for d in designs.design_specs(repository)])
 
@@ -615,6 +625,65 @@ def tuning(ctx: Context) -> Result:
     return result
 
 
+# -- 7. overload ----------------------------------------------------------------------------------
+def _admission(spec: S.ModelSpec) -> int:
+    """Requests a model takes before refusing: in flight per instance (plus a batch being handed
+    over) times instances, plus its queue."""
+    inflight = int(spec.parameters["max_inflight_requests"]) + spec.max_batch_size
+    return spec.instance_count * inflight + spec.batching.max_queue_size
+
+
+def overload(ctx: Context) -> Result:
+    result = Result("overload", "Overload: closed-loop clients far above capacity (`pipeline`, gRPC)")
+    levels = [8, 64] if ctx.quick else [16, 64, 256, 1024]
+    seconds = 3.0 if ctx.quick else 20.0
+    backoff = 0.1  # a refused client waits this long before it tries again
+    data = nets.synthetic_images(1, seed=7).numpy()
+    shedding = next(spec for spec, _ in variant_specs(ctx.repository)
+                    if spec.name == SHEDDING_PIPELINE)
+    models = {"pipeline": S.PIPELINE, SHEDDING_PIPELINE: shedding}
+    result.summary += [
+        f"Each client sends its next request as soon as the last is answered ({seconds:.0f} s per "
+        f"level, {backoff * 1e3:.0f} ms pause after an error), with no request timeout: the "
+        "orchestrator's default "
+        f"deadline ({int(S.PIPELINE.parameters['default_deadline_ms']) // 1000} s) applies. "
+        "Refused: UNAVAILABLE because a queue was full; late: the orchestrator's deadline error.",
+        "", "| model (admits at most) | clients | answered/s | answered p50 / p99 (ms) | refused "
+        "| refused p50 / p99 (ms) | late | other errors |", "|---|---|---|---|---|---|---|---|"]
+    for name, spec in models.items():
+        for clients_count in levels:
+            answers = clients.closed_loop_for(ctx.server.grpc_url, name, clients_count, data,
+                                              seconds, retry_pause=backoff)
+            wall = max(a.finished for a in answers) - min(a.started for a in answers)
+            ok = [a.seconds for a in answers if a.code is None]
+            refused = [a.seconds for a in answers if a.code and "queue" in a.message.lower()]
+            late = [a for a in answers if a.code and "deadline exceeded" in a.message]
+            other = len(answers) - len(ok) - len(refused) - len(late)
+            p = clients.point(clients_count, ok, wall)
+            r = clients.point(clients_count, refused, wall)
+            result.add(name, p, errors=len(answers) - len(ok), refused=len(refused),
+                       late=len(late), other_errors=other, refused_p50_ms=r.p50_ms,
+                       refused_p99_ms=r.p99_ms, admits=_admission(spec))
+            result.summary.append(
+                f"| `{name}` ({_admission(spec)}) | {clients_count} | {p.throughput:.0f} | "
+                f"{p.p50_ms:.0f} / {p.p99_ms:.0f} | {len(refused)} | "
+                + (f"{r.p50_ms:.0f} / {r.p99_ms:.0f}" if refused else "–")
+                + f" | {len(late)} | {other} |")
+    result.summary += [
+        "",
+        f"- `{SHEDDING_PIPELINE}` is `pipeline` with `max_inflight_requests` 8 and "
+        "`max_queue_size` 16: sized so that what it admits is answered in about a second here. "
+        "Beyond that it refuses at once, and what it admits keeps its latency. A refusal is not "
+        "free: Triton still reads the 150 KB request, and here the retrying clients share the "
+        "server's 2 cores.",
+        "- The committed `pipeline` admits over 5 000 (sized for a GPU host): here, a thousand "
+        "clients all wait, and what cannot be answered within the deadline fails late instead of "
+        "being refused early. Size admission as throughput x acceptable wait "
+        "(docs/configuration.md)."]
+    result.plot = {"kind": "curve", "title": "Overload: answered/s vs p95 of answered requests"}
+    return result
+
+
 EXPERIMENTS = {
     "orchestration": orchestration,
     "fanout": fanout,
@@ -622,4 +691,5 @@ EXPERIMENTS = {
     "large_output": large_output,
     "clients": client_styles,
     "tuning": tuning,
+    "overload": overload,
 }

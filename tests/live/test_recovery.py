@@ -22,8 +22,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
-import tritonclient.grpc.aio as grpcaio
 
+from bench.clients import closed_loop
 from tests.live.support import image, server_options
 from tests.live.test_launcher import spawn_serve
 from tritonlocal import TritonServer
@@ -112,39 +112,14 @@ def test_the_probe_sees_a_killed_stub_that_triton_still_calls_ready(fresh, serve
     assert unsure.returncode == 2 and "--server-pid" in unsure.stderr
 
 
-async def _load(url: str, stop: threading.Event, log: list, concurrency: int = 8) -> None:
-    """Requests to `pipeline` with at most ``concurrency`` in flight until ``stop``; each
-    (start, end, error or None) goes to ``log``."""
-    client = grpcaio.InferenceServerClient(url)
-    data = image(3)
-
-    async def worker(index: int) -> None:
-        sequence = 0
-        while not stop.is_set():
-            inputs = [grpcaio.InferInput("IMAGE", data.shape, "UINT8")]
-            inputs[0].set_data_from_numpy(data)
-            started = time.monotonic()
-            try:
-                await client.infer("pipeline", inputs, request_id=f"w{index}-{sequence}",
-                                   timeout=int(DEADLINE * 1e6), client_timeout=DEADLINE + 30)
-                error = None
-            except Exception as failure:  # noqa: BLE001 - recorded
-                error = str(failure)
-                await asyncio.sleep(0.05)  # no busy loop while the server restarts
-            log.append((started, time.monotonic(), error))
-            sequence += 1
-
-    try:
-        await asyncio.gather(*(worker(i) for i in range(concurrency)))
-    finally:
-        await client.close()
-
-
 def test_a_stub_killed_under_load_is_recovered_by_the_supervisor(fresh):
     events: list[str] = []
     supervisor = Supervisor(fresh, interval=1.0, restart_grace=5.0, log=events.append).start()
     stop, log = threading.Event(), []
-    loader = threading.Thread(target=lambda: asyncio.run(_load(fresh.grpc_url, stop, log)))
+    # 8 clients, each with its own 2 s deadline; 50 ms pause after an error (the server restarts).
+    loader = threading.Thread(target=lambda: asyncio.run(closed_loop(
+        fresh.grpc_url, "pipeline", 8, image(3), stop, timeout_us=int(DEADLINE * 1e6),
+        retry_pause=0.05, answers=log)))
     loader.start()
     try:
         time.sleep(3.0)
@@ -155,10 +130,9 @@ def test_a_stub_killed_under_load_is_recovered_by_the_supervisor(fresh):
         recovered_at = None
         while time.monotonic() - killed_at < RECOVERY_LIMIT + 10:
             time.sleep(0.2)
-            after = [entry for entry in log if entry[0] > killed_at]
             ready = [t for t, what in supervisor.events if what == "ready"]
             if ready:
-                ok = [end for start, end, error in after if start > ready[0] and error is None]
+                ok = [a.finished for a in list(log) if a.started > ready[0] and a.code is None]
                 if len(ok) >= 50:
                     recovered_at = ok[0]
                     break
@@ -169,15 +143,15 @@ def test_a_stub_killed_under_load_is_recovered_by_the_supervisor(fresh):
     assert supervisor.error is None, supervisor.error
     assert recovered_at is not None, f"not serving again after {RECOVERY_LIMIT + 10} s: {events}"
 
-    before = [entry for entry in log if entry[1] < killed_at]
+    before = [a for a in log if a.finished < killed_at]
     restart = [t for t, what in supervisor.events if what.startswith("restart")]
     ready = [t for t, what in supervisor.events if what == "ready"]
-    failed = [entry for entry in log if entry[2] is not None]
-    slowest = max(end - start for start, end, _ in log)
+    failed = [a for a in log if a.code is not None]
+    slowest = max(a.seconds for a in log)
     print(f"\nstub killed; detected after {restart[0] - killed_at:.1f} s, server ready after "
           f"{ready[0] - killed_at:.1f} s, first success after {recovered_at - killed_at:.1f} s; "
           f"{len(log)} requests, {len(failed)} errors, slowest {slowest:.2f} s")
-    assert all(error is None for _, _, error in before), "errors before the kill"
+    assert all(a.code is None for a in before), "errors before the kill"
     assert len(restart) == 1 and "classifier" in supervisor.events[0][1], supervisor.events
     assert recovered_at - killed_at < RECOVERY_LIMIT
     assert slowest < DEADLINE + SLACK, "a request outlived its deadline: a hang"
