@@ -16,7 +16,7 @@ STAMP  := $(VENV)/.installed
 
 .DEFAULT_GOAL := help
 .PHONY: help venv models configs serve test test-unit bench soak clean
-BENCH_EXPERIMENTS := orchestration fanout designs large_output clients tuning
+BENCH_EXPERIMENTS := orchestration fanout designs large_output clients tuning overload
 
 help: ## Show this help
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'

@@ -138,6 +138,10 @@ class TritonServer:
         runtime.check_stub_libraries(stub, env)
         runtime.check_ports_free(opts.host, {"http": opts.http_port, "grpc": opts.grpc_port,
                                              "metrics": opts.metrics_port})
+        repositories = [repository, *(Path(a.split("=", 1)[1]) for a in opts.extra_args
+                                      if a.startswith("--model-repository="))]
+        check_shm_space(stub_instances(repositories, self.stub_backends()),
+                        opts.shm_default_bytes)
 
         self._run_dir = Path(tempfile.mkdtemp(prefix="tritonlocal-"))
         kill_orphaned_stubs()
@@ -382,6 +386,44 @@ class Supervisor:
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
+
+
+def stub_instances(repositories: list[Path], stub_backends) -> int:
+    """How many python-backend stubs the repositories' models start: the instances of every model
+    whose backend runs in stubs (KIND_GPU groups are not counted: no GPU is used locally)."""
+    from google.protobuf import text_format
+    from tritonclient.grpc import model_config_pb2
+
+    cpu = {model_config_pb2.ModelInstanceGroup.KIND_CPU, model_config_pb2.ModelInstanceGroup.KIND_AUTO}
+    count = 0
+    for repository in repositories:
+        for path in sorted(Path(repository).glob("*/config.pbtxt")):
+            try:
+                config = text_format.Parse(path.read_text(), model_config_pb2.ModelConfig())
+            except Exception:  # noqa: BLE001 - Triton reports bad configs itself, better
+                continue
+            if config.backend in stub_backends:
+                groups = config.instance_group or [model_config_pb2.ModelInstanceGroup(count=1)]
+                count += sum(max(g.count, 1) for g in groups if g.kind in cpu)
+    return count
+
+
+def check_shm_space(stubs: int, region_bytes: int, shm: Path = SHM) -> None:
+    """Every stub maps a shared-memory region of ``region_bytes`` in /dev/shm when it starts, and
+    regions only grow. Too little space shows up later as a failed model load or as
+    "Failed to increase the shared memory pool size" on requests: refuse to start instead."""
+    stat = os.statvfs(shm)
+    free = stat.f_bavail * stat.f_frsize
+    needed = stubs * region_bytes
+    if needed > free:
+        mib = 2**20
+        raise LauncherError(
+            f"{shm} has {free / mib:.0f} MiB free, but the {stubs} python-backend model instances "
+            f"need {needed / mib:.0f} MiB for their shared-memory regions at start ({stubs} x "
+            f"{region_bytes / mib:.0f} MiB) and more as they grow. Free space in {shm}, lower the "
+            "region size (ServerOptions.shm_default_bytes), or give the container more "
+            "(docker run --shm-size=..., or a memory-backed emptyDir on /dev/shm in Kubernetes; "
+            "docs/operations.md)")
 
 
 def failed_models(log: str) -> dict[str, str]:

@@ -63,6 +63,19 @@ def test_a_port_in_use_fails_before_starting(server, repository, tmp_path):
     assert launcher.process is None
 
 
+def test_too_little_dev_shm_fails_before_starting(repository, tmp_path):
+    # /dev/shm's real free space, and regions so large that the committed repository's
+    # python-backend instances cannot all have one: the launcher must refuse, naming the remedy.
+    stubs = sum(m.instance_count for m in S.ALL_MODELS if m.backend in ("python", "onnxruntime"))
+    stat = os.statvfs("/dev/shm")
+    free = stat.f_bavail * stat.f_frsize
+    launcher = TritonServer(options(repository, tmp_path, shm_default_bytes=free // 4))
+    with pytest.raises(LauncherError, match=rf"/dev/shm has \d+ MiB free, but the {stubs} "
+                                            r"python-backend model instances need .*--shm-size"):
+        launcher.start()
+    assert launcher.process is None
+
+
 def test_not_ready_in_time_is_reported_and_the_server_is_stopped(repository, tmp_path):
     launcher = TritonServer(options(repository, tmp_path, ready_timeout=0.0))
     with pytest.raises(LauncherError, match=r"not ready within 0 s"):
