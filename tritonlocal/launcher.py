@@ -32,7 +32,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tritonlocal import liveness, runtime
+from tritonlocal import flags, liveness, runtime
 from tritonlocal.runtime import LauncherError
 
 LOCAL_BACKENDS = Path(__file__).with_name("backends")
@@ -62,19 +62,11 @@ class ServerOptions:
     stop_grace: float = 20.0           # seconds between SIGINT and SIGKILL
     python: str = field(default_factory=runtime.default_python)
     log_verbose: int = 0
-    # The python backend's shared-memory region per stub (python models and the local ONNX
-    # backend alike). Regions grow but never shrink; starting at 1 MiB (Triton's default) the
-    # orchestrators' regions grew in 1 MiB steps to ~190 MiB under load, starting at 32 MiB they
-    # stayed at 32 MiB (docs/orchestrator.md). Growth is in large steps for the same reason.
-    shm_default_bytes: int = 32 * 2**20
-    shm_growth_bytes: int = 16 * 2**20
-    # The python backend's per-instance pool of server-side threads (undocumented
-    # ``thread-pool-size``, default 32). Each BLS call in flight holds one until the sub-model
-    # answers, and each response a stub sends needs one too: with an orchestrator's
-    # ``subrequest_threads`` (64) at or above the pool size, responses waited behind sub-requests
-    # to a slow model and deadline errors arrived up to 0.9 s late. Keep it above the largest
-    # ``subrequest_threads`` (tests/unit/test_configs.py checks).
-    python_thread_pool: int = 96
+    # The python backend's region per stub, its growth step and server-side thread pool: the
+    # values the container uses too (tritonlocal/flags.py says why).
+    shm_default_bytes: int = flags.SHM_DEFAULT_BYTES
+    shm_growth_bytes: int = flags.SHM_GROWTH_BYTES
+    python_thread_pool: int = flags.PYTHON_THREAD_POOL
     # (header name, value): the RESTRICTED_APIS answer only requests that carry this header, over
     # HTTP and gRPC (Triton's --http-restricted-api / --grpc-restricted-protocol). None: open.
     admin_header: tuple[str, str] | None = None
@@ -158,15 +150,11 @@ class TritonServer:
             f"--grpc-address={opts.host}", f"--grpc-port={opts.grpc_port}",
             f"--metrics-address={opts.host}", f"--metrics-port={opts.metrics_port}",
             "--allow-metrics=true", "--allow-gpu-metrics=false", "--allow-cpu-metrics=true",
-            # Configs are complete and committed: load them exactly as written.
-            "--disable-auto-complete-config",
-            "--exit-on-error=true", "--strict-readiness=true",
+            *flags.serving_flags(opts.shm_default_bytes, opts.shm_growth_bytes,
+                                 opts.python_thread_pool),
             # No GPU locally: skip the pinned host pool the CUDA build would try to allocate.
             "--pinned-memory-pool-byte-size=0",
             f"--log-verbose={opts.log_verbose}",
-            f"--backend-config=python,shm-default-byte-size={opts.shm_default_bytes}",
-            f"--backend-config=python,shm-growth-byte-size={opts.shm_growth_bytes}",
-            f"--backend-config=python,thread-pool-size={opts.python_thread_pool}",
             # A prefix unique to this server, so stop() can remove exactly its regions if a stub
             # could not (killed stubs leave their /dev/shm files behind).
             f"--backend-config=python,shm-region-prefix-name={self._shm_prefix}",
