@@ -1,6 +1,19 @@
-"""Local runtime: run this repository on the tritonserver 2.51 bundled in the nvidia-pytriton wheel."""
+"""Local runtime: run this repository on the tritonserver 2.51 bundled in the nvidia-pytriton wheel.
 
-from tritonlocal.launcher import ServerOptions, TritonServer
-from tritonlocal.runtime import LauncherError
+The launcher is imported on first use, so ``python -m tritonlocal.liveness`` and
+``python -m tritonlocal.flags`` (which the container runs) load only what they need.
+"""
 
 __all__ = ["LauncherError", "ServerOptions", "TritonServer"]
+
+
+def __getattr__(name: str):
+    if name in ("ServerOptions", "TritonServer"):
+        from tritonlocal import launcher
+
+        return getattr(launcher, name)
+    if name == "LauncherError":
+        from tritonlocal.runtime import LauncherError
+
+        return LauncherError
+    raise AttributeError(f"module 'tritonlocal' has no attribute {name!r}")
