@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 FANOUTS = ("concurrent", "sequential")
 CONCURRENCY_MODES = ("event_loop", "batch_gather")
+GPU_TENSORS = ("off", "on")
 
 
 class ConfigError(ValueError):
@@ -35,6 +36,11 @@ class OrchestratorConfig:
     # More model repositories in which to find the stage models' configs at load time (comma-
     # separated absolute paths), for servers started with several --model-repository flags.
     stage_model_repositories: tuple[str, ...] = ()
+    # "on": outputs that only flow into other stages (spec.PASS_THROUGH) stay where the sub-model
+    # put them, on its GPU, and go to the next stage by DLPack; "off": every output is copied to
+    # the orchestrator's CPU memory. "on" falls back to the copy for any output that arrives in
+    # CPU memory (a CPU-only host), so it is safe everywhere.
+    gpu_tensors: bool = False
 
     def stage(self, name: str) -> Stage:
         return self.stages[name]
@@ -58,7 +64,7 @@ def parse(parameters: dict[str, str], stages: dict[str, str]) -> OrchestratorCon
     Raises ConfigError naming every problem at once.
     """
     problems: list[str] = []
-    known = {"fanout", "concurrency_mode", "stage_model_repositories", *DEFAULTS}
+    known = {"fanout", "concurrency_mode", "stage_model_repositories", "gpu_tensors", *DEFAULTS}
     for stage in stages:
         known.update({f"{stage}_model", f"{stage}_timeout_ms"})
     for key in sorted(set(parameters) - known):
@@ -96,6 +102,7 @@ def parse(parameters: dict[str, str], stages: dict[str, str]) -> OrchestratorCon
         concurrency_mode=choice("concurrency_mode", CONCURRENCY_MODES),
         stage_model_repositories=tuple(
             p.strip() for p in parameters.get("stage_model_repositories", "").split(",") if p.strip()),
+        gpu_tensors=choice("gpu_tensors", GPU_TENSORS) == "on",
     )
     if problems:
         raise ConfigError("; ".join(problems))

@@ -255,6 +255,14 @@ STAGES: dict[str, dict[str, tuple[ModelSpec, ...]]] = {
 }
 
 
+# Stage outputs the orchestrator never computes on or returns: they only flow into other stages,
+# so with `gpu_tensors: "on"` they stay on the GPU (stage -> output names).
+PASS_THROUGH: dict[str, dict[str, tuple[str, ...]]] = {
+    "pipeline": {"preprocess": ("PIXELS",)},
+    "tag_pipeline": {},
+}
+
+
 def reduces_tags(contract: ModelSpec) -> bool:
     """Whether a tagger-stage model answers with TAGS and TAG_PROBS itself."""
     return {TAGS, TAG_PROBS} <= set(contract.outputs)

@@ -26,6 +26,14 @@ Design (docs/orchestrator.md has the measurements behind it):
   given up on keeps its thread until the sub-model answers (r24.10 cannot cancel it); it is
   counted as abandoned and its result dropped. One whose deadline passed before a thread picked
   it up is never sent.
+* **GPU tensors** (``gpu_tensors: "on"``). Outputs that only flow into other stages
+  (``spec.PASS_THROUGH``, e.g. preprocess's PIXELS) are requested in GPU memory and kept as a
+  ``DeviceTensor``: a DLPack-made ``pb_utils.Tensor`` that owns the sub-model's GPU buffer, never
+  ``as_numpy()``-ed. It becomes the next stages' input by DLPack again, so the 602 KB per image
+  never crosses to the host. Every other output is copied to numpy as before, and so is a
+  pass-through output that arrives in CPU memory (CPU-only host): the fallback. Device tensors
+  are released under the lock when their request is answered, or when an abandoned sub-request
+  that made them finishes.
 * **Backpressure.** At most ``max_inflight_requests`` requests per instance are in flight;
   beyond that ``execute`` waits, so further requests stay in Triton's bounded, timeout-aware
   queue of this model.
@@ -58,6 +66,49 @@ _NUMPY = {"TYPE_UINT8": np.uint8, "TYPE_INT64": np.int64, "TYPE_FP32": np.float3
 SHUTDOWN_DRAIN_SECONDS = 10.0
 
 
+def take_outputs(pb_utils, response, names, keep, views: dict, devices: dict) -> str | None:
+    """Read a sub-response's outputs (under the lock): ``views`` gets numpy views of those in CPU
+    memory, ``devices`` a ``DeviceTensor`` for each output named in ``keep`` that is in GPU memory.
+    A kept output that arrived in CPU memory (a CPU-only host) becomes a view: the fallback.
+    Returns the name of a missing output (nothing is kept then), or None."""
+    for name in names:
+        tensor = pb_utils.get_output_tensor_by_name(response, name)
+        if tensor is None:
+            for device in devices.values():
+                device.release()
+            devices.clear()
+            views.clear()
+            return name
+        if name in keep and not tensor.is_cpu():
+            devices[name] = DeviceTensor(pb_utils.Tensor.from_dlpack(name, tensor.to_dlpack()))
+        else:
+            views[name] = tensor.as_numpy()  # a view of the response's memory: never of a GPU one
+    return None
+
+
+class DeviceTensor:
+    """A stage output kept in the sub-model's GPU memory (``gpu_tensors: "on"``).
+
+    Wraps a ``pb_utils.Tensor`` made with ``from_dlpack``, which shares ownership of the GPU
+    buffer with the DLPack capsule, not with the sub-response: the response can go. Created and
+    released under the runtime's lock, like every object that wraps backend memory; pipelines
+    only pass it from one stage to the next (they never compute on it)."""
+
+    __slots__ = ("tensor",)
+
+    def __init__(self, tensor) -> None:
+        self.tensor = tensor
+
+    def as_input(self, pb_utils, name: str):
+        """A new input tensor named ``name`` over the same GPU buffer (under the lock)."""
+        if self.tensor is None:
+            raise RuntimeError("a released DeviceTensor was used as an input")
+        return pb_utils.Tensor.from_dlpack(name, self.tensor.to_dlpack())
+
+    def release(self) -> None:
+        self.tensor = None
+
+
 @dataclass
 class Job:
     """One client request, from ``execute`` until its response is sent."""
@@ -68,15 +119,21 @@ class Job:
     request_id: str        # forwarded to every sub-request
     sender: object         # pb_utils InferenceResponseSender; None once answered
     received: float = field(default_factory=time.monotonic)
+    # Stage outputs kept on the GPU for this request; released when it is answered.
+    device_tensors: list[DeviceTensor] = field(default_factory=list)
 
 
 @dataclass
 class Outcome:
-    """What a sub-request thread hands back: plain Python data only."""
+    """What a sub-request thread hands back: numpy arrays, and device tensors for pass-through
+    outputs kept on the GPU (``gpu_tensors: "on"``)."""
 
-    outputs: dict[str, np.ndarray] | None = None
+    outputs: dict[str, np.ndarray | DeviceTensor] | None = None
     error: str | None = None
     expired: bool = False  # its deadline passed before a thread picked it up: never sent
+
+    def device_tensors(self) -> list[DeviceTensor]:
+        return [t for t in (self.outputs or {}).values() if isinstance(t, DeviceTensor)]
 
 
 class Orchestrator:
@@ -98,6 +155,7 @@ class Orchestrator:
         self.input_names = [t["name"] for t in config["input"]]
         self.output_dtypes = {t["name"]: _NUMPY[t["data_type"]] for t in config["output"]}
         self.pipeline = pipeline
+        self.pass_through = S.PASS_THROUGH[pipeline]
 
         # Re-entrant: logging (a pb_utils call) takes it too, also from code that holds it.
         self.lock = threading.RLock()
@@ -197,6 +255,9 @@ class Orchestrator:
         code = "SUCCESS"
         with self.lock:
             sender, job.sender = job.sender, None
+            for device in job.device_tensors:  # answered (or failed): its GPU buffers can go
+                device.release()
+            job.device_tensors.clear()
             if sender is None:  # never answer twice
                 return
             self.pending -= 1
@@ -237,21 +298,26 @@ class Orchestrator:
             self._count_deadline(stage)
             raise DeadlineExceeded(stage, model, limit_ms, what)
 
+        # Pass-through outputs stay on the GPU with gpu_tensors on; everything else comes back in
+        # CPU memory, where it is copied into numpy (or reduced in place).
+        on_device = self.config.gpu_tensors and bool(self.pass_through.get(stage))
         with self.lock:
             request = pb.InferenceRequest(
                 model_name=model,
-                inputs=[pb.Tensor(name, array) for name, array in inputs.items()],
+                inputs=[value.as_input(pb, name) if isinstance(value, DeviceTensor)
+                        else pb.Tensor(name, value) for name, value in inputs.items()],
                 requested_output_names=list(output_names),
                 request_id=job.request_id,
                 timeout=max(1, int(limit * 1e6)),  # µs; applies in the sub-model's queue
-                # Outputs come back in CPU memory (they are copied into numpy below).
-                preferred_memory=pb.PreferredMemory(pb.TRITONSERVER_MEMORY_CPU, 0),
+                preferred_memory=pb.PreferredMemory(
+                    pb.TRITONSERVER_MEMORY_GPU if on_device else pb.TRITONSERVER_MEMORY_CPU, 0),
             )
         handoff = [request]  # the thread takes the only reference
         del request
         started = time.monotonic()
+        keep = set(self.pass_through.get(stage, ())) if on_device else set()
         future = self.subrequests.submit(self._exec, handoff, started + limit, list(output_names),
-                                         reduce)
+                                         reduce, keep)
         waiter = asyncio.wrap_future(future, loop=self.loop)
         try:
             done, _ = await asyncio.wait({waiter}, timeout=limit)
@@ -264,28 +330,38 @@ class Orchestrator:
             if not future.cancel():  # already running: it finishes on its own, result dropped
                 with self.lock:
                     self.metrics.increment("bls_abandoned_subrequests_total", stage=stage)
-                future.add_done_callback(lambda _: self._post(
-                    self._count, "bls_abandoned_subrequests_completed_total", stage))
+                future.add_done_callback(lambda done: self._post(self._abandoned_done, stage, done))
             self._count_deadline(stage)
             raise DeadlineExceeded(stage, model, limit_ms, what)
         outcome: Outcome = waiter.result()
         if outcome.expired:
             self._count_deadline(stage)
             raise DeadlineExceeded(stage, model, limit_ms, what)
+        job.device_tensors += outcome.device_tensors()  # released when the request is answered
         if outcome.error is not None:
             failure = sub_request_failed(stage, model, outcome.error)
             self._count("bls_subrequest_errors_total", stage, kind=failure.kind.value)
             raise failure
         return outcome.outputs
 
+    def _abandoned_done(self, stage: str, future: concurrent.futures.Future) -> None:
+        """An abandoned sub-request finished (event loop thread): count it, free what it made."""
+        self._count("bls_abandoned_subrequests_completed_total", stage)
+        if not future.cancelled() and future.exception() is None:
+            with self.lock:
+                for device in future.result().device_tensors():
+                    device.release()
+
     def _exec(self, handoff: list, expires: float, output_names: list[str],
-              reduce: Reduce | None) -> Outcome:
+              reduce: Reduce | None, keep: set[str] = frozenset()) -> Outcome:
         """On a sub-request thread: send, wait, then turn the outputs into plain numpy arrays
-        (copies, or whatever ``reduce`` computes from them in place). Returns plain data only."""
+        (copies, or whatever ``reduce`` computes from them in place). Outputs named in ``keep``
+        that arrive in GPU memory stay there, as ``DeviceTensor``s."""
         pb = self.pb
         request = handoff.pop()
         response = None
         views: dict[str, np.ndarray] = {}
+        devices: dict[str, DeviceTensor] = {}
         try:
             if time.monotonic() >= expires:
                 return Outcome(expired=True)
@@ -297,17 +373,18 @@ class Orchestrator:
             with self.lock:
                 if response.has_error():
                     return Outcome(error=response.error().message())
-                for name in output_names:
-                    tensor = pb.get_output_tensor_by_name(response, name)
-                    if tensor is None:
-                        return Outcome(error=f"the response has no output '{name}'")
-                    views[name] = tensor.as_numpy()  # a view of the response's memory
-                del tensor
+                missing = take_outputs(pb, response, output_names, keep, views, devices)
+                if missing is not None:
+                    return Outcome(error=f"the response has no output '{missing}'")
             # Outside the lock: numpy only, on memory the response keeps alive until the end.
             if reduce is not None:
-                return Outcome(outputs=reduce(views))
-            return Outcome(outputs={name: view.copy() for name, view in views.items()})
+                return Outcome(outputs={**reduce(views), **devices})
+            return Outcome(outputs={**{name: view.copy() for name, view in views.items()},
+                                    **devices})
         except Exception as error:  # noqa: BLE001 - exec itself raised (e.g. stub errors)
+            with self.lock:
+                for device in devices.values():
+                    device.release()
             return Outcome(error=f"{type(error).__name__}: {error}")
         finally:
             with self.lock:  # backend objects die under the lock, on this thread

@@ -77,11 +77,16 @@ def real_model_variants(real_repository: Path) -> tuple[S.ModelSpec, ...]:
             variant(S.PIPELINE, "pipeline_admission", max_inflight_requests="4",
                     stage_model_repositories=str(real_repository)),
             batching=dataclasses.replace(S.PIPELINE.batching, max_queue_size=8)),
+        # The GPU profiles' setting on this CPU-only server: every output arrives in CPU memory,
+        # so this exercises the fallback (tests/live/test_pipelines.py).
+        variant(S.PIPELINE, "pipeline_gpu_tensors", gpu_tensors="on",
+                stage_model_repositories=str(real_repository)),
     )
 
 BASE_OF = {"pipeline_faulty": "pipeline", "tag_pipeline_faulty": "tag_pipeline",
            "pipeline_queue": "pipeline", "pipeline_crash": "pipeline",
-           "pipeline_slow": "pipeline", "pipeline_admission": "pipeline"}
+           "pipeline_slow": "pipeline", "pipeline_admission": "pipeline",
+           "pipeline_gpu_tensors": "pipeline"}
 
 
 def build(target: Path, real_repository: Path, variants=None, base_of=None) -> Path:

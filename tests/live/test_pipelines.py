@@ -65,7 +65,9 @@ def client_for(http_client, grpc_client):
 
 
 @pytest.mark.parametrize("protocol", ["http", "grpc"])
-@pytest.mark.parametrize("model", ["pipeline", "pipeline_ensemble"])
+# pipeline_gpu_tensors: PIXELS kept on the GPU between stages; on this CPU-only server it
+# arrives in CPU memory, so this checks the fallback (and, in the container on a GPU, DLPack).
+@pytest.mark.parametrize("model", ["pipeline", "pipeline_ensemble", "pipeline_gpu_tensors"])
 def test_image_pipeline_matches_onnxruntime(model, protocol, client_for, onnx):
     image = images(3, seed=11)
     result = infer(protocol, client_for(protocol), model, "IMAGE", image, "UINT8",

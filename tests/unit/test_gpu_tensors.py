@@ -1,0 +1,97 @@
+"""Where a stage's outputs go with ``gpu_tensors: "on"`` (pure logic, with stand-ins for
+pb_utils' tensors): a pass-through output in GPU memory stays there as a DeviceTensor and feeds
+the next stage by DLPack; one in CPU memory, and every other output, becomes numpy. The same
+path runs live on this CPU-only server as the fallback (tests/live/test_pipelines.py)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from bls_models import params
+from bls_models import spec as S
+from bls_models.triton_runtime import DeviceTensor, take_outputs
+
+
+class FakeTensor:
+    def __init__(self, name, array, on_gpu):
+        self.name, self.array, self.on_gpu = name, array, on_gpu
+        self.dlpack_calls = 0
+
+    def is_cpu(self):
+        return not self.on_gpu
+
+    def as_numpy(self):
+        if self.on_gpu:  # what pb_utils does for a GPU tensor
+            raise RuntimeError("Tensor is stored in GPU and cannot be converted to NumPy.")
+        return self.array
+
+    def to_dlpack(self):
+        self.dlpack_calls += 1
+        return ("capsule", self)
+
+
+class FakePb:
+    class Tensor:
+        @staticmethod
+        def from_dlpack(name, capsule):
+            _, source = capsule
+            return FakeTensor(name, source.array, source.on_gpu)
+
+    def __init__(self, outputs):
+        self.outputs = outputs
+
+    def get_output_tensor_by_name(self, response, name):
+        return self.outputs.get(name)
+
+
+def test_a_kept_output_in_gpu_memory_stays_there_and_feeds_the_next_stage_by_dlpack():
+    pixels = FakeTensor("PIXELS", np.ones((1, 3)), on_gpu=True)
+    pb = FakePb({"PIXELS": pixels})
+    views, devices = {}, {}
+    assert take_outputs(pb, None, ["PIXELS"], {"PIXELS"}, views, devices) is None
+    assert views == {} and isinstance(devices["PIXELS"], DeviceTensor)
+    # Both branches take it, each as a new input over the same buffer, renamed as they need.
+    for branch in ("classifier", "embedder"):
+        fed = devices["PIXELS"].as_input(pb, "PIXELS")
+        assert fed.on_gpu and fed.array is pixels.array
+    devices["PIXELS"].release()
+    with pytest.raises(RuntimeError, match="released"):
+        devices["PIXELS"].as_input(pb, "PIXELS")
+
+
+def test_a_kept_output_in_cpu_memory_falls_back_to_numpy():
+    pixels = FakeTensor("PIXELS", np.ones((1, 3)), on_gpu=False)
+    views, devices = {}, {}
+    assert take_outputs(FakePb({"PIXELS": pixels}), None, ["PIXELS"], {"PIXELS"}, views, devices) is None
+    assert devices == {} and views["PIXELS"] is pixels.array and pixels.dlpack_calls == 0
+
+
+def test_outputs_that_are_not_kept_never_stay_on_the_gpu():
+    # The orchestrator computes on LOGITS (top-5): it must come back in CPU memory; asking a GPU
+    # tensor for numpy fails loudly rather than silently.
+    logits = FakeTensor("LOGITS", np.ones((1, 1000)), on_gpu=True)
+    with pytest.raises(RuntimeError, match="stored in GPU"):
+        take_outputs(FakePb({"LOGITS": logits}), None, ["LOGITS"], set(), {}, {})
+
+
+def test_a_missing_output_keeps_nothing():
+    pixels = FakeTensor("PIXELS", np.ones((1, 3)), on_gpu=True)
+    views, devices = {}, {}
+    missing = take_outputs(FakePb({"PIXELS": pixels}), None, ["PIXELS", "OTHER"], {"PIXELS"},
+                           views, devices)
+    assert missing == "OTHER" and views == {} and devices == {}
+
+
+def test_only_pass_through_outputs_are_kept_and_the_parameter_parses():
+    assert S.PASS_THROUGH["pipeline"] == {"preprocess": ("PIXELS",)}
+    # Every pass-through output is an input of a later stage, never an orchestrator output.
+    for pipeline, stages in S.PASS_THROUGH.items():
+        final = {t.name for t in S.model(pipeline).outputs}
+        for stage, names in stages.items():
+            assert not set(names) & final
+    stages = {"preprocess": "preprocess", "classifier": "classifier", "embedder": "embedder"}
+    assert params.parse({"gpu_tensors": "on"}, stages).gpu_tensors is True
+    assert params.parse({}, stages).gpu_tensors is False
+    with pytest.raises(params.ConfigError, match="gpu_tensors"):
+        params.parse({"gpu_tensors": "yes"}, stages)
