@@ -1,0 +1,186 @@
+"""Deployment profiles of the model repository: the committed one, and GPU variants of it.
+
+The committed ``model_repository/`` is **portable**: no instance ``kind`` on the ONNX models
+(KIND_AUTO: CPU here, one group per GPU in the container), the orchestrators on KIND_CPU. The
+GPU profiles are rendered from the same specs into a directory of their own, at container start
+(``scripts/container-serve.sh``) or by hand:
+
+    python -m modelgen.profiles --profile gpu-trt --source model_repository --out /tmp/repo-gpu-trt
+    python -m modelgen.profiles --profile gpu --source model_repository --out X --dry-run
+
+Profiles:
+
+* ``gpu`` — KIND_GPU instance groups with per-GPU counts (``GPU_INSTANCES``); ONNX models on
+  ONNX Runtime's CUDA execution provider; ``pipeline`` with ``gpu_tensors: "on"`` (PIXELS stays
+  on the GPU between preprocess and the two CNNs).
+* ``gpu-ort-trt`` — ``gpu`` plus ONNX Runtime's TensorRT execution accelerator on every ONNX
+  model: FP16, engines cached under ``<cache>/ort-trt/<model>`` (built on first load).
+* ``gpu-trt`` — ``gpu`` plus native TensorRT models (``<model>_trt``, ``platform:
+  "tensorrt_plan"``) for the CNN stages, whose engines ``scripts/build_trt_engines.py`` builds
+  from the ONNX files on the target GPU; ``pipeline`` calls them through its stage parameters
+  (``classifier_model: "classifier_trt"``) — no code change.
+
+Every config is parsed into Triton's ``ModelConfig`` protobuf as it is rendered; each
+orchestrator's stages are checked against the rendered repository exactly as the orchestrator
+checks them at load time (``bls_models.repository``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import shutil
+import sys
+from pathlib import Path
+
+from google.protobuf import text_format
+
+from bls_models import spec as S
+from modelgen import configs
+
+PROFILES = ("gpu", "gpu-ort-trt", "gpu-trt")
+DEFAULT_CACHE = "/var/cache/bls"
+# Instances per GPU. The CNNs get 2 so one instance's batch is formed while the other's runs;
+# the taggers return 28.7 MB per sequence and gain nothing from a second copy of their weights.
+GPU_INSTANCES = {"preprocess": 1, "classifier": 2, "embedder": 2, "tagger": 1, "tagger_tags": 1,
+                 "postprocess": 1}
+# Stages served by native TensorRT engines in `gpu-trt`: FP32 in, FP32 out, the heavy networks.
+# (The tagger's INT64 token input and preprocess's UINT8 image stay on ONNX Runtime.)
+TRT_MODELS = ("classifier", "embedder")
+TRT_WORKSPACE_BYTES = 2 * 2**30
+
+
+def trt_name(model: str) -> str:
+    return f"{model}_trt"
+
+
+def optimisation_shapes(model: S.ModelSpec) -> dict[str, tuple[tuple[int, ...], ...]]:
+    """TensorRT optimisation profile per input: (min, opt, max) shapes with the batch axis, from
+    the same spec as the config's ``max_batch_size`` and dims. ``opt`` is the largest preferred
+    batch size (the dynamic batcher aims for it), or half the maximum."""
+    preferred = model.batching.preferred_batch_sizes if model.batching else ()
+    opt = max(preferred) if preferred else max(1, model.max_batch_size // 2)
+    return {t.name: ((1, *t.dims), (opt, *t.dims), (model.max_batch_size, *t.dims))
+            for t in model.inputs}
+
+
+def _gpu_group(model: S.ModelSpec) -> list[dict]:
+    return [{"count": GPU_INSTANCES.get(model.name.removesuffix("_trt"), model.instance_count),
+             "kind": "KIND_GPU"}]
+
+
+def profile_config(model: S.ModelSpec, profile: str, cache: str = DEFAULT_CACHE) -> dict:
+    """The config dict of ``model`` in ``profile``."""
+    config = configs.config_dict(model)
+    if model.backend in ("onnxruntime", "") and model.platform != "ensemble":
+        config["instance_group"] = _gpu_group(model)
+    if profile == "gpu-ort-trt" and model.backend == "onnxruntime":
+        config["optimization"] = {"execution_accelerators": {"gpu_execution_accelerator": [{
+            "name": "tensorrt",
+            "parameters": {"precision_mode": "FP16",
+                           "max_workspace_size_bytes": str(TRT_WORKSPACE_BYTES),
+                           "trt_engine_cache_enable": "1",
+                           "trt_engine_cache_path": f"{cache}/ort-trt/{model.name}"}}]}}
+    if model.name in S.PASS_THROUGH and S.PASS_THROUGH[model.name]:
+        # Pass-through outputs (PIXELS) stay on the GPU between stages (DLPack).
+        config["parameters"]["gpu_tensors"] = {"string_value": "on"}
+    if profile == "gpu-trt" and model.name == S.PIPELINE.name:
+        config["parameters"].update({f"{stage}_model": {"string_value": trt_name(stage)}
+                                     for stage in TRT_MODELS})
+    return config
+
+
+def trt_spec(model: S.ModelSpec) -> S.ModelSpec:
+    """The native TensorRT variant of an ONNX model: same tensors, batching and limits."""
+    return dataclasses.replace(model, name=trt_name(model.name), backend="",
+                               platform="tensorrt_plan",
+                               description=f"TensorRT engine built from {model.name}'s ONNX file")
+
+
+def profile_models(profile: str) -> list[S.ModelSpec]:
+    if profile not in PROFILES:
+        raise ValueError(f"unknown profile '{profile}'; choose from {', '.join(PROFILES)}")
+    models = list(S.ALL_MODELS)
+    if profile == "gpu-trt":
+        models += [trt_spec(S.model(name)) for name in TRT_MODELS]
+    return models
+
+
+def render(profile: str, cache: str = DEFAULT_CACHE) -> dict[str, str]:
+    """Model name -> config.pbtxt text (each parsed through Triton's protobuf on the way)."""
+    rendered = {}
+    for model in profile_models(profile):
+        proto = configs.to_proto(profile_config(model, profile, cache))
+        text = (f"# Profile '{profile}', generated from bls_models/spec.py by "
+                "`python -m modelgen.profiles`; do not edit.\n" + text_format.MessageToString(proto))
+        configs.parse_pbtxt(text)  # what Triton's loader will do
+        rendered[model.name] = text
+    return rendered
+
+
+def write(profile: str, source: Path, out: Path, cache: str = DEFAULT_CACHE) -> list[str]:
+    """Render ``profile`` into ``out`` (replaced). Version directories link to ``source``'s files
+    (ONNX models, model.py); a ``*_trt`` model gets an empty version directory for its engine.
+    Returns the problems found by the orchestrators' own load-time stage check (none expected)."""
+    if out.exists():
+        shutil.rmtree(out)
+    out.mkdir(parents=True)
+    for name, text in render(profile, cache).items():
+        (out / name / "1").mkdir(parents=True)
+        (out / name / "config.pbtxt").write_text(text)
+        version = source / name / "1"
+        if version.is_dir():
+            for item in version.iterdir():
+                if item.name != ".gitkeep":
+                    os.symlink(item.resolve(), out / name / "1" / item.name)
+    return stage_problems(out)
+
+
+def stage_problems(repository: Path) -> list[str]:
+    """Each orchestrator's stages against ``repository``, as the orchestrator checks them."""
+    from bls_models import params, repository as repo_check
+
+    problems = []
+    for model in S.BLS_MODELS:
+        config = configs.parse_pbtxt((repository / model.name / "config.pbtxt").read_text())
+        values = {k: v.string_value for k, v in config.parameters.items()}
+        contracts = S.STAGES[model.name]
+        stages = params.parse(values, {stage: accepted[0].name
+                                       for stage, accepted in contracts.items()}).stages
+        problems += [f"{model.name}: {p}" for p in repo_check.stage_problems(
+            [repository], stages, contracts)]
+    return problems
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m modelgen.profiles",
+                                     description=__doc__.splitlines()[0])
+    parser.add_argument("--profile", choices=PROFILES, required=True)
+    parser.add_argument("--source", type=Path, default=Path("model_repository"))
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--cache", default=os.environ.get("BLS_CACHE", DEFAULT_CACHE),
+                        help="where engines are cached (default $BLS_CACHE or /var/cache/bls)")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="render and check every config, print the plan, write nothing")
+    args = parser.parse_args(argv)
+    rendered = render(args.profile, args.cache)
+    if args.dry_run:
+        for model in profile_models(args.profile):
+            config = configs.parse_pbtxt(rendered[model.name])
+            kinds = configs.model_config_pb2.ModelInstanceGroup.Kind
+            groups = ", ".join(f"{g.count} x {kinds.Name(g.kind)}"
+                               for g in config.instance_group) or "-"
+            kind = config.platform or config.backend
+            print(f"{model.name:<20} {kind:<14} instances: {groups}")
+        print(f"profile '{args.profile}': {len(rendered)} configs parse; nothing written (dry run)")
+        return 0
+    problems = write(args.profile, args.source, args.out, args.cache)
+    for problem in problems:
+        print(f"error: {problem}", file=sys.stderr)
+    print(f"profile '{args.profile}' written to {args.out} ({len(rendered)} models)")
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
