@@ -10,18 +10,26 @@ GRPC_PORT        ?= 8001
 METRICS_PORT     ?= 8002
 PYTEST_ARGS      ?=
 SOAK_ARGS        ?=
+# The NGC container (GPU hosts with Docker and the NVIDIA container toolkit): docs/production.md
+IMAGE            ?= triton-bls-pipelines:24.10
+TEST_IMAGE       ?= triton-bls-pipelines-test:24.10
+BLS_PROFILE      ?= gpu
+GPUS             ?= all
+SHM_SIZE         ?= 1g
+PUBLISH_HOST     ?= 127.0.0.1
 
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
 .DEFAULT_GOAL := help
-.PHONY: help venv models configs serve test test-unit bench soak clean
+.PHONY: help venv models configs serve test test-unit bench soak clean docker-build docker-run test-container
 BENCH_EXPERIMENTS := orchestration fanout designs large_output clients tuning overload
 
 help: ## Show this help
-	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
+	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-15s %s\n", $$1, $$2}'
 	@echo "  make bench-<experiment>  one experiment: $(BENCH_EXPERIMENTS)"
 	@echo "  Variables: HTTP_PORT GRPC_PORT METRICS_PORT MODEL_REPOSITORY MODEL_SIZE=small|full PYTEST_ARGS SOAK_ARGS"
+	@echo "  Container: IMAGE TEST_IMAGE BLS_PROFILE=portable|gpu|gpu-ort-trt|gpu-trt GPUS SHM_SIZE PUBLISH_HOST"
 
 $(STAMP): pyproject.toml scripts/install_system_deps.sh scripts/install_perf_analyzer.py
 	scripts/install_system_deps.sh $(PYTHON)
@@ -56,6 +64,23 @@ soak: models ## Soak both orchestrators (50 000 requests at concurrency 256; SOA
 
 $(addprefix bench-,$(BENCH_EXPERIMENTS)): bench-%: models ## (bench-orchestration, bench-fanout, ...) one experiment
 	$(PY) -m bench --experiment $*
+
+docker-build: ## Build the NGC-based server image and its test image (Docker; no GPU needed)
+	docker build --target server -t $(IMAGE) .
+	docker build --target test -t $(TEST_IMAGE) .
+
+# The repository is mounted read-only over the image's copy, with its full-size models; engines
+# and rendered profiles persist in the bls-cache volume; ports are published on $(PUBLISH_HOST).
+docker-run: MODEL_SIZE = full
+docker-run: models ## Serve in the container on GPUs (BLS_PROFILE, SHM_SIZE, PUBLISH_HOST)
+	docker run --rm -it --gpus $(GPUS) --shm-size=$(SHM_SIZE) --security-opt=no-new-privileges \
+	    -p $(PUBLISH_HOST):8000:8000 -p $(PUBLISH_HOST):8001:8001 -p $(PUBLISH_HOST):8002:8002 \
+	    -e BLS_PROFILE=$(BLS_PROFILE) -v bls-cache:/var/cache/bls \
+	    -v $(CURDIR)/$(MODEL_REPOSITORY):/opt/bls/model_repository:ro $(IMAGE)
+
+test-container: ## Run the test suite inside the test image against its own server (GPU host)
+	docker run --rm --gpus $(GPUS) --shm-size=$(SHM_SIZE) --security-opt=no-new-privileges \
+	    -e BLS_PROFILE=$(BLS_PROFILE) -v bls-cache:/var/cache/bls $(TEST_IMAGE) $(PYTEST_ARGS)
 
 clean: ## Remove generated models, logs and caches (keeps .venv)
 	rm -rf .triton .pytest_cache $(MODEL_REPOSITORY)/*/[0-9]*/model.onnx $(MODEL_REPOSITORY)/.export-stamp.json

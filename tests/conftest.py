@@ -1,9 +1,15 @@
 """Shared fixtures. Live tests start one real tritonserver per session through the same launcher
-that `make serve` uses, on free ports, with its log in the pytest temp directory."""
+that `make serve` uses, on free ports, with its log in the pytest temp directory.
+
+Inside the NGC container (`make test-container`, scripts/container-test.sh) the server is the
+container's own tritonserver, started by that script: ``TRITON_EXTERNAL_SERVER`` names its
+endpoints and pid, ``TRITON_EXTERNAL_FAULT_REPOSITORY`` the test-only models it also serves, and
+tests that need the local launcher, the wheel or perf_analyzer (marked ``local_only``) skip."""
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -11,7 +17,33 @@ import pytest
 from bls_models import spec as S
 
 ROOT = Path(__file__).resolve().parents[1]
-MODEL_REPOSITORY = ROOT / "model_repository"
+MODEL_REPOSITORY = Path(os.environ.get("BLS_MODEL_REPOSITORY", ROOT / "model_repository"))
+EXTERNAL = os.environ.get("TRITON_EXTERNAL_SERVER", "")
+# Need the local launcher (their own servers, the wheel's binary), a loopback-only bind, or
+# perf_analyzer, none of which the container's server has: skipped there.
+LOCAL_ONLY = ("test_launcher.py", "test_recovery.py", "test_security.py", "test_perf_analyzer.py",
+              "test_bench_smoke.py")
+
+
+@dataclass
+class _Process:
+    pid: int
+
+
+class ExternalServer:
+    """A tritonserver this session did not start (the container's), with the attributes the
+    tests use of ``tritonlocal.TritonServer``."""
+
+    def __init__(self, spec: str) -> None:
+        fields = dict(item.split("=", 1) for item in spec.split(","))
+        self.http_url, self.grpc_url = fields["http"], fields["grpc"]
+        self.metrics_url = f"http://{fields['metrics']}/metrics"
+        self.process = _Process(int(fields["pid"]))
+
+    def stub_pids(self, model: str) -> list[int]:
+        from tritonlocal.launcher import group_stubs
+
+        return sorted(group_stubs(self.process.pid).get(model, []))
 
 
 @pytest.fixture(scope="session")
@@ -29,6 +61,8 @@ def repository() -> Path:
 def fault_repository(repository, tmp_path_factory) -> Path:
     """Test-only models (fault stand-ins, orchestrator variants wired to them) and the benchmark's
     variants (so the benchmark smoke tests run against the same server)."""
+    if EXTERNAL:
+        return Path(os.environ["TRITON_EXTERNAL_FAULT_REPOSITORY"])
     from bench import experiments
     from modelgen import variants
 
@@ -39,6 +73,9 @@ def fault_repository(repository, tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def server(repository, fault_repository, tmp_path_factory):
     """One server for the live tests: the real repository as committed, plus the fault models."""
+    if EXTERNAL:
+        yield ExternalServer(EXTERNAL)
+        return
     from tritonlocal import ServerOptions, TritonServer
     from tritonlocal.runtime import free_ports
 
@@ -82,7 +119,13 @@ def grpc_client(server):
 
 
 def pytest_collection_modifyitems(items):
-    """Everything under tests/live talks to a real server."""
+    """Everything under tests/live talks to a real server; some need the local launcher."""
+    skip = pytest.mark.skip(reason="needs the local launcher, a loopback bind or perf_analyzer; "
+                                   "not in the container (TRITON_EXTERNAL_SERVER is set)")
     for item in items:
         if "/live/" in str(item.fspath):
             item.add_marker(pytest.mark.live)
+        if Path(str(item.fspath)).name in LOCAL_ONLY:
+            item.add_marker(pytest.mark.local_only)
+            if EXTERNAL:
+                item.add_marker(skip)

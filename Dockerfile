@@ -1,0 +1,71 @@
+# The production image: this model repository and its BLS orchestrators on Triton 2.51.0
+# (NGC 24.10, the release the local server runs), for GPU hosts.
+#
+#   make docker-build       # the server image (target `server`) and its test image (target `test`)
+#   make docker-run         # GPUs, ports on 127.0.0.1, --shm-size for the BLS fan-out
+#   make test-container     # the pytest suite inside the test image, against its own server
+#
+# Written for a host with a Docker engine and NVIDIA GPUs; the development machine has neither,
+# so this file is checked by tests/unit/test_container.py (image tag, non-root user, health
+# check, every COPY source exists), not built there. docs/production.md says what ran where.
+
+ARG TRITON_IMAGE=nvcr.io/nvidia/tritonserver:24.10-py3
+
+# -- 1. Export the ONNX models: CPU PyTorch, the same code and pins as `make models` --------------
+FROM python:3.11-slim AS export
+ARG MODEL_SIZE=full
+ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONDONTWRITEBYTECODE=1
+WORKDIR /src
+COPY pyproject.toml README.md ./
+COPY bls_models bls_models
+COPY modelgen modelgen
+COPY tritonlocal tritonlocal
+COPY bench bench
+RUN pip install --index-url https://download.pytorch.org/whl/cpu torch==2.13.0 \
+ && pip install '.[export]'
+COPY model_repository model_repository
+RUN python -m modelgen.export --repository model_repository --size "${MODEL_SIZE}"
+
+# -- 2. The server ------------------------------------------------------------------------------
+FROM ${TRITON_IMAGE} AS server
+LABEL org.opencontainers.image.title="triton-bls-pipelines" \
+      org.opencontainers.image.description="Triton 2.51 BLS orchestrators over ONNX/TensorRT models"
+ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONDONTWRITEBYTECODE=1 \
+    BLS_HOME=/opt/bls BLS_CACHE=/var/cache/bls BLS_PROFILE=gpu \
+    TRITON_HTTP_URL=localhost:8000
+WORKDIR /opt/bls
+# The orchestrators run in the python backend's stub, whose interpreter is the image's python3
+# (3.10): the package and its pins (numpy < 2 for the r24.10 stub) go there, with the ONNX checker
+# and TensorRT 10.5's Python bindings for the engine build (the libraries are the image's).
+COPY pyproject.toml README.md ./
+COPY bls_models bls_models
+COPY modelgen modelgen
+COPY tritonlocal tritonlocal
+COPY bench bench
+RUN python3 -m pip --version >/dev/null 2>&1 \
+      || (apt-get update && apt-get install -y --no-install-recommends python3-pip \
+          && rm -rf /var/lib/apt/lists/*) \
+ && python3 -m pip install '.[container]'
+COPY scripts scripts
+COPY --from=export /src/model_repository model_repository
+# An unprivileged user; the only writable place it needs is the cache (GPU-profile repository,
+# TensorRT engines), which `make docker-run` mounts as a volume so engines survive restarts.
+RUN groupadd --system --gid 10001 bls \
+ && useradd --system --uid 10001 --gid bls --home-dir /opt/bls --shell /usr/sbin/nologin bls \
+ && mkdir -p /var/cache/bls && chown bls:bls /var/cache/bls
+USER 10001:10001
+VOLUME ["/var/cache/bls"]
+EXPOSE 8000 8001 8002
+HEALTHCHECK --interval=10s --timeout=5s --start-period=600s --retries=3 \
+  CMD python3 -c "import sys, urllib.request; sys.exit(0 if urllib.request.urlopen('http://127.0.0.1:8000/v2/health/ready', timeout=4).status == 200 else 1)"
+ENTRYPOINT ["/opt/bls/scripts/container-serve.sh"]
+
+# -- 3. The test image: the server image plus the suite's dependencies -------------------------
+# `make test-container` runs it; the production image above carries no test tooling.
+FROM server AS test
+USER root
+COPY tests tests
+RUN python3 -m pip install --index-url https://download.pytorch.org/whl/cpu torch==2.13.0 \
+ && python3 -m pip install '.[container-test]'
+USER 10001:10001
+ENTRYPOINT ["/opt/bls/scripts/container-test.sh"]

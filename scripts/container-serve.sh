@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# The container's entry point: render the deployment profile, build TensorRT engines if the
+# profile has any (cached in $BLS_CACHE, a volume), then exec tritonserver with the flags every
+# server of this repository uses (python3 -m tritonlocal.flags). Extra arguments go to
+# tritonserver, e.g. `docker run ... IMAGE --log-verbose=1`.
+#
+#   BLS_PROFILE=portable   the committed repository as is (KIND_AUTO: one group per GPU)
+#   BLS_PROFILE=gpu        KIND_GPU counts per model, ONNX Runtime on CUDA (the default)
+#   BLS_PROFILE=gpu-ort-trt  + ONNX Runtime's TensorRT accelerator (FP16, engines cached)
+#   BLS_PROFILE=gpu-trt    + native TensorRT engines for the CNN stages, built here on first start
+#   BLS_DRY_RUN=1          render and check everything, print the tritonserver command, exit
+#
+# `container-serve.sh --print-repository` prepares the profile and prints its repository's path
+# instead of serving (scripts/container-test.sh serves it with the test-only models beside it).
+set -euo pipefail
+
+home="${BLS_HOME:-/opt/bls}"
+cache="${BLS_CACHE:-/var/cache/bls}"
+profile="${BLS_PROFILE:-gpu}"
+source_repo="${BLS_MODEL_REPOSITORY:-$home/model_repository}"
+dry_run="${BLS_DRY_RUN:-0}"
+
+case "$profile" in
+  portable)
+    repo="$source_repo" ;;
+  gpu|gpu-ort-trt|gpu-trt)
+    repo="$cache/repository-$profile"
+    python3 -m modelgen.profiles --profile "$profile" --source "$source_repo" --out "$repo" --cache "$cache" >&2
+    if [ "$profile" = gpu-trt ]; then
+      if [ "$dry_run" = 1 ]; then
+        python3 "$home/scripts/build_trt_engines.py" --repository "$repo" --cache "$cache/engines" --dry-run >&2
+      else
+        python3 "$home/scripts/build_trt_engines.py" --repository "$repo" --cache "$cache/engines" >&2
+      fi
+    fi ;;
+  *)
+    echo "error: BLS_PROFILE must be portable, gpu, gpu-ort-trt or gpu-trt (got '$profile')" >&2
+    exit 2 ;;
+esac
+
+if [ "${1:-}" = --print-repository ]; then
+  echo "$repo"
+  exit 0
+fi
+mapfile -t flags < <(python3 -m tritonlocal.flags --model-repository "$repo")
+if [ "$dry_run" = 1 ]; then
+  echo "tritonserver ${flags[*]} $*"
+  exit 0
+fi
+exec tritonserver "${flags[@]}" "$@"

@@ -1,0 +1,176 @@
+"""The container path, checked as far as a machine without Docker or a GPU allows: the
+Dockerfile's image tag, user, health check and COPY sources; the entry script's dry run for every
+profile; every GPU-profile config through Triton's protobuf and the orchestrators' own stage
+check; the TensorRT engine plan in dry-run mode. Nothing here builds or runs the image."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from tritonclient.grpc import model_config_pb2
+
+from bls_models import spec as S
+from modelgen import configs, profiles
+from tritonlocal import flags
+
+ROOT = Path(__file__).resolve().parents[2]
+DOCKERFILE = (ROOT / "Dockerfile").read_text()
+IMAGE = "nvcr.io/nvidia/tritonserver:24.10-py3"
+KIND = model_config_pb2.ModelInstanceGroup.Kind
+
+
+def stages(text: str) -> dict[str, list[str]]:
+    """Dockerfile stage name -> its instructions (continuation lines joined)."""
+    joined = re.sub(r"\\\n\s*", " ", text)
+    result, current = {}, None
+    for line in joined.splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        if line.upper().startswith("FROM "):
+            match = re.search(r"\bAS\s+(\S+)", line, flags=re.IGNORECASE)
+            current = match.group(1) if match else f"stage{len(result)}"
+            result[current] = []
+        if current:
+            result[current].append(line)
+    return result
+
+
+def test_the_dockerfile_and_the_readme_name_the_same_triton_image():
+    assert f"ARG TRITON_IMAGE={IMAGE}" in DOCKERFILE
+    readme = (ROOT / "README.md").read_text()
+    assert IMAGE in readme
+    assert set(re.findall(r"nvcr\.io/nvidia/tritonserver:[\w.-]+", readme)) == {IMAGE}
+
+
+@pytest.mark.parametrize("stage", ["server", "test"])
+def test_each_image_runs_as_a_non_root_user_with_an_entry_point(stage):
+    instructions = stages(DOCKERFILE)[stage]
+    users = [i.split()[1] for i in instructions if i.startswith("USER ")]
+    assert users and users[-1].split(":")[0] not in ("0", "root"), users
+    last_user = max(n for n, i in enumerate(instructions) if i.startswith("USER "))
+    assert any(i.startswith("ENTRYPOINT") for i in instructions[last_user:]), "runs as root"
+    assert users[-1].split(":")[0] == "10001"
+
+
+def test_the_server_image_has_a_readiness_health_check_and_the_served_ports():
+    server = stages(DOCKERFILE)["server"]
+    health = [i for i in server if i.startswith("HEALTHCHECK")]
+    assert health and "/v2/health/ready" in health[0]
+    exposed = {int(p) for i in server if i.startswith("EXPOSE") for p in i.split()[1:]}
+    ports = {int(f.split("=")[1]) for f in flags.container_flags() if f.split("=")[0].endswith("-port")}
+    assert exposed == ports == {8000, 8001, 8002}
+    assert any("container-serve.sh" in i for i in server if i.startswith("ENTRYPOINT"))
+
+
+def test_every_copy_source_exists_and_no_secret_is_baked_in():
+    for instruction in re.sub(r"\\\n\s*", " ", DOCKERFILE).splitlines():
+        parts = instruction.split()
+        if parts and parts[0] == "COPY" and not any(p.startswith("--from") for p in parts):
+            for source in parts[1:-1]:
+                assert (ROOT / source).exists(), f"COPY {source}: no such file in the repository"
+        if parts and parts[0] in ("ENV", "ARG"):
+            assert not re.search(r"(?i)(key|token|password|secret)\s*=", instruction), instruction
+
+
+@pytest.mark.parametrize("profile", ["portable", *profiles.PROFILES])
+def test_the_entry_script_dry_run_renders_the_profile_and_the_command(profile, tmp_path, repository):
+    python_dir = Path(sys.executable).parent
+    env = {**os.environ, "BLS_HOME": str(ROOT), "BLS_CACHE": str(tmp_path), "BLS_PROFILE": profile,
+           "BLS_DRY_RUN": "1", "BLS_MODEL_REPOSITORY": str(repository),
+           # the venv's interpreter stands in for the image's python3
+           "PATH": f"{python_dir}:{os.environ['PATH']}"}
+    if not (python_dir / "python3").exists():
+        pytest.skip("no python3 beside the test interpreter")
+    done = subprocess.run(["bash", str(ROOT / "scripts/container-serve.sh"), "--log-verbose=1"],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    command = done.stdout.strip().splitlines()[-1].split()
+    expected_repo = repository if profile == "portable" else tmp_path / f"repository-{profile}"
+    assert command[0] == "tritonserver" and command[-1] == "--log-verbose=1"
+    assert command[1:-1] == flags.container_flags(str(expected_repo))
+    if profile == "gpu-trt":
+        assert "classifier_trt" in done.stderr and "nothing built" in done.stderr
+
+
+def test_an_unknown_profile_is_refused():
+    done = subprocess.run(["bash", str(ROOT / "scripts/container-serve.sh")],
+                          env={**os.environ, "BLS_PROFILE": "tpu", "BLS_DRY_RUN": "1"},
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "BLS_PROFILE must be" in done.stderr
+
+
+def test_the_container_test_script_is_valid_bash():
+    assert subprocess.run(["bash", "-n", str(ROOT / "scripts/container-test.sh")]).returncode == 0
+
+
+@pytest.mark.parametrize("profile", profiles.PROFILES)
+def test_every_gpu_profile_config_parses_and_meets_the_orchestrators_stage_check(profile, tmp_path,
+                                                                                repository):
+    problems = profiles.write(profile, repository, tmp_path / profile, cache="/var/cache/bls")
+    assert problems == []
+    for model in profiles.profile_models(profile):
+        config = configs.parse_pbtxt((tmp_path / profile / model.name / "config.pbtxt").read_text())
+        assert config.name == model.name and config.max_batch_size == model.max_batch_size
+        assert [t.name for t in config.input] == [t.name for t in model.inputs]
+        kinds = {g.kind for g in config.instance_group}
+        if model.backend == "python":
+            assert kinds == {KIND.Value("KIND_CPU")}, model.name
+        elif model.platform != "ensemble":
+            assert kinds == {KIND.Value("KIND_GPU")}, model.name
+        accelerators = config.optimization.execution_accelerators.gpu_execution_accelerator
+        if profile == "gpu-ort-trt" and model.backend == "onnxruntime":
+            (trt,) = accelerators
+            assert trt.name == "tensorrt" and trt.parameters["precision_mode"] == "FP16"
+            assert trt.parameters["trt_engine_cache_path"] == f"/var/cache/bls/ort-trt/{model.name}"
+        else:
+            assert not accelerators
+    pipeline = configs.parse_pbtxt((tmp_path / profile / "pipeline" / "config.pbtxt").read_text())
+    classifier = pipeline.parameters["classifier_model"].string_value
+    assert classifier == ("classifier_trt" if profile == "gpu-trt" else "classifier")
+
+
+def test_trt_optimisation_shapes_come_from_the_spec():
+    shapes = profiles.optimisation_shapes(S.CLASSIFIER)
+    dims = S.CLASSIFIER.inputs[0].dims
+    assert shapes == {"PIXELS": ((1, *dims), (max(S.CLASSIFIER.batching.preferred_batch_sizes), *dims),
+                                 (S.CLASSIFIER.max_batch_size, *dims))}
+
+
+def test_the_engine_build_dry_run_plans_every_trt_model(tmp_path, repository):
+    repo = tmp_path / "gpu-trt"
+    profiles.write("gpu-trt", repository, repo)
+    done = subprocess.run([sys.executable, str(ROOT / "scripts/build_trt_engines.py"), "--repository",
+                           str(repo), "--cache", str(tmp_path / "engines"), "--dry-run"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    for name in profiles.TRT_MODELS:
+        assert f"{name}_trt: " in done.stdout
+    assert "configs and ONNX files agree" in done.stdout
+    assert not (tmp_path / "engines").exists(), "a dry run builds nothing"
+
+
+def test_the_engine_build_refuses_a_config_that_disagrees_with_the_spec(tmp_path, repository):
+    repo = tmp_path / "gpu-trt"
+    profiles.write("gpu-trt", repository, repo)
+    config = repo / "classifier_trt" / "config.pbtxt"
+    config.write_text(config.read_text().replace("dims: 224", "dims: 256", 1))
+    done = subprocess.run([sys.executable, str(ROOT / "scripts/build_trt_engines.py"), "--repository",
+                           str(repo), "--dry-run"], capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0 and "differ from classifier's spec" in done.stderr
+
+
+def test_the_pinned_container_requirements_exist_for_the_images_python():
+    """Pins that must match the NGC 24.10 image (Python 3.10, TensorRT 10.5, numpy < 2)."""
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    pins = {re.split(r"[=<>\[]", d)[0]: d for d in
+            project["dependencies"] + project["optional-dependencies"]["container"]}
+    assert pins["numpy"] == "numpy==1.26.4"
+    assert pins["tensorrt-cu12-bindings"].endswith("==10.5.0")
