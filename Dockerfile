@@ -65,7 +65,10 @@ ENTRYPOINT ["/opt/bls/scripts/container-serve.sh"]
 FROM server AS test
 USER root
 COPY tests tests
-RUN python3 -m pip install --index-url https://download.pytorch.org/whl/cpu torch==2.13.0 \
+# curl: the README's example request is tested as pasted.
+RUN (command -v curl >/dev/null || (apt-get update && apt-get install -y --no-install-recommends curl \
+      && rm -rf /var/lib/apt/lists/*)) \
+ && python3 -m pip install --index-url https://download.pytorch.org/whl/cpu torch==2.13.0 \
  && python3 -m pip install '.[container-test]'
 USER 10001:10001
 ENTRYPOINT ["/opt/bls/scripts/container-test.sh"]

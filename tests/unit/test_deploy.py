@@ -115,3 +115,10 @@ def test_the_dashboard_is_valid_grafana_json():
     dashboard = json.loads(DASHBOARD.read_text())
     assert dashboard["panels"] and all(p["targets"] for p in dashboard["panels"])
     assert len({p["id"] for p in dashboard["panels"]}) == len(dashboard["panels"])
+
+
+def test_the_scrape_annotations_name_the_metrics_port():
+    annotations = documents()["Deployment"]["spec"]["template"]["metadata"]["annotations"]
+    ports = {p["name"]: p["containerPort"] for p in container()["ports"]}
+    assert annotations["prometheus.io/port"] == str(ports["metrics"])
+    assert annotations["prometheus.io/path"] == "/metrics"
