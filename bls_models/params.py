@@ -38,8 +38,8 @@ class OrchestratorConfig:
     stage_model_repositories: tuple[str, ...] = ()
     # "on": outputs that only flow into other stages (spec.PASS_THROUGH) stay where the sub-model
     # put them, on its GPU, and go to the next stage by DLPack; "off": every output is copied to
-    # the orchestrator's CPU memory. "on" falls back to the copy for any output that arrives in
-    # CPU memory (a CPU-only host), so it is safe everywhere.
+    # the orchestrator's CPU memory. "on" keeps the copy for stages whose model is not configured
+    # KIND_GPU (a CPU host, the portable repository), so it is safe everywhere.
     gpu_tensors: bool = False
 
     def stage(self, name: str) -> Stage:

@@ -76,3 +76,21 @@ def _mismatches(config, model: str, contract: S.ModelSpec) -> list[str]:
             problems.append(f"tensor '{tensor.name}' of '{model}' is {found[0]} "
                             f"{list(found[1])}, the stage needs {tensor.dtype} {list(tensor.dims)}")
     return problems
+
+
+def stage_kinds(repositories: list[Path], stages: dict[str, Stage]) -> dict[str, set[str]]:
+    """Stage -> the instance-group kinds its model's config declares ("KIND_AUTO" when a group
+    has no kind, or the model has no instance_group). Stages whose config is missing are left out
+    (``resolve_stages`` reports them)."""
+    from tritonclient.grpc import model_config_pb2
+
+    kinds: dict[str, set[str]] = {}
+    for name, stage in stages.items():
+        path = next((r / stage.model / "config.pbtxt" for r in repositories
+                     if (r / stage.model / "config.pbtxt").is_file()), None)
+        if path is None:
+            continue
+        groups = load_config(path).instance_group
+        kinds[name] = ({model_config_pb2.ModelInstanceGroup.Kind.Name(g.kind) for g in groups}
+                       or {"KIND_AUTO"})
+    return kinds

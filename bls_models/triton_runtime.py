@@ -155,7 +155,15 @@ class Orchestrator:
         self.input_names = [t["name"] for t in config["input"]]
         self.output_dtypes = {t["name"]: _NUMPY[t["data_type"]] for t in config["output"]}
         self.pipeline = pipeline
-        self.pass_through = S.PASS_THROUGH[pipeline]
+        # gpu_tensors: a stage's pass-through outputs stay on the GPU only if its model is
+        # configured KIND_GPU (the GPU profiles). Asking a CPU instance for GPU output memory
+        # fails the sub-request ("BackendMemory::Create, all allocation types failed", verified
+        # on this build), so KIND_AUTO/KIND_CPU stages (the portable repository, CPU hosts) keep
+        # the copy: the fallback.
+        kinds = repository.stage_kinds(repositories, self.config.stages)
+        self.pass_through = {
+            stage: names for stage, names in S.PASS_THROUGH[pipeline].items()
+            if self.config.gpu_tensors and kinds.get(stage) == {"KIND_GPU"}}
 
         # Re-entrant: logging (a pb_utils call) takes it too, also from code that holds it.
         self.lock = threading.RLock()
@@ -176,6 +184,13 @@ class Orchestrator:
             for s in self.config.stages.values())
             + f"; default deadline {self.config.default_deadline_ms} ms, "
             f"{self.config.concurrency_mode}, fan-out {self.config.fanout}")
+        if self.config.gpu_tensors:
+            kept = [f"{stage}'s {', '.join(names)}" for stage, names in self.pass_through.items()]
+            copied = [stage for stage in S.PASS_THROUGH[pipeline] if stage not in self.pass_through]
+            self.log("gpu_tensors on: " + (f"kept on the GPU: {'; '.join(kept)}" if kept else
+                                            "nothing kept on the GPU")
+                     + (f"; copied to CPU (stage model not KIND_GPU): {', '.join(copied)}"
+                        if copied else ""))
 
     # -- execute (the stub's main thread) ---------------------------------------------------
     def execute(self, requests) -> None:

@@ -95,3 +95,16 @@ def test_only_pass_through_outputs_are_kept_and_the_parameter_parses():
     assert params.parse({}, stages).gpu_tensors is False
     with pytest.raises(params.ConfigError, match="gpu_tensors"):
         params.parse({"gpu_tensors": "yes"}, stages)
+
+
+def test_the_placement_follows_the_stage_models_instance_kind(repository, tmp_path):
+    """GPU output memory is only asked of KIND_GPU stage models: the committed (portable)
+    repository's preprocess has no kind, the GPU profiles' has KIND_GPU."""
+    from bls_models.repository import stage_kinds
+    from modelgen import profiles
+
+    stages = params.parse({}, {"preprocess": "preprocess", "classifier": "classifier",
+                               "embedder": "embedder"}).stages
+    assert stage_kinds([repository], stages)["preprocess"] == {"KIND_AUTO"}
+    profiles.write("gpu", repository, tmp_path / "gpu")
+    assert stage_kinds([tmp_path / "gpu"], stages) == {s: {"KIND_GPU"} for s in stages}
