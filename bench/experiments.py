@@ -59,6 +59,9 @@ class Result:
         self.commands.append(run.command_line)
         if run.error:
             self.summary.append(f"- **{variant}: perf_analyzer failed**: {run.error}")
+        for concurrency, reason in run.retried:
+            self.summary.append(f"- {variant}: the first perf_analyzer attempt at concurrency "
+                                f"{concurrency} did not complete ({reason}); the retry did")
         for p in run.points:
             self.add(variant, p, protocol, **extra)
         return run.points
