@@ -255,6 +255,11 @@ STAGES: dict[str, dict[str, tuple[ModelSpec, ...]]] = {
 }
 
 
+def default_stage_models(pipeline: str) -> dict[str, str]:
+    """Stage -> the model it calls unless its ``<stage>_model`` parameter says otherwise."""
+    return {stage: accepted[0].name for stage, accepted in STAGES[pipeline].items()}
+
+
 # Stage outputs the orchestrator never computes on or returns: they only flow into other stages,
 # so with `gpu_tensors: "on"` they stay on the GPU (stage -> output names).
 PASS_THROUGH: dict[str, dict[str, tuple[str, ...]]] = {

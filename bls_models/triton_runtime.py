@@ -143,7 +143,7 @@ class Orchestrator:
         config = json.loads(args["model_config"])
         contracts = S.STAGES[pipeline]
         self.config = params.parse(params.string_parameters(config),
-                                   {stage: accepted[0].name for stage, accepted in contracts.items()})
+                                   S.default_stage_models(pipeline))
         # This model's own repository first (the parent of its directory), then any others.
         repositories = [Path(args["model_repository"]).parent,
                         *(Path(p) for p in self.config.stage_model_repositories)]

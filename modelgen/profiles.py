@@ -145,11 +145,9 @@ def stage_problems(repository: Path) -> list[str]:
     for model in S.BLS_MODELS:
         config = configs.parse_pbtxt((repository / model.name / "config.pbtxt").read_text())
         values = {k: v.string_value for k, v in config.parameters.items()}
-        contracts = S.STAGES[model.name]
-        stages = params.parse(values, {stage: accepted[0].name
-                                       for stage, accepted in contracts.items()}).stages
+        stages = params.parse(values, S.default_stage_models(model.name)).stages
         problems += [f"{model.name}: {p}" for p in repo_check.stage_problems(
-            [repository], stages, contracts)]
+            [repository], stages, S.STAGES[model.name])]
     return problems
 
 

@@ -94,6 +94,7 @@ class TritonServer:
         self._run_dir: Path | None = None
         self._shm_prefix = ""
         self.log_file: Path | None = None
+        self._expected: tuple[int, dict[str, list[str]]] | None = None  # (server pid, instances)
 
     # -- URLs -----------------------------------------------------------------------------
     @property
@@ -216,12 +217,23 @@ class TritonServer:
                 *sorted(b.name for b in LOCAL_BACKENDS.iterdir() if (b / "model.py").exists()))
 
     def liveness(self, timeout: float = 5.0) -> liveness.Report:
-        """Is the server live with every stub running? (``tritonlocal.liveness.check``)"""
+        """Is the server live with every stub running? (``tritonlocal.liveness.check``)
+
+        The instances each model should have are read from the server once per server process:
+        with model control mode ``none`` they cannot change while it runs."""
         if self.process is None:
             raise LauncherError("the server is not running")
         headers = dict([self.options.admin_header]) if self.options.admin_header else None
-        return liveness.check(self.http_url, self.process.pid, self.stub_backends(), timeout,
-                              headers)
+        pid = self.process.pid
+        if self._expected is None or self._expected[0] != pid:
+            try:
+                self._expected = (pid, liveness.expected_instances(
+                    self.http_url, self.stub_backends(), timeout, headers))
+            except (liveness.CheckError, urllib.error.URLError, OSError, ValueError):
+                self._expected = None  # not answering yet: check() reports it, and asks again
+        expected = self._expected[1] if self._expected else None
+        return liveness.check(self.http_url, pid, self.stub_backends(), timeout, headers,
+                              expected)
 
     def log_tail(self, lines: int = 40) -> str:
         if self.log_file is None or not self.log_file.exists():
@@ -478,7 +490,7 @@ def kill_orphaned_stubs() -> list[int]:
                 continue
             if not argv[2].startswith(SHM_PREFIX.encode()) or not argv[5].isdigit():
                 continue
-            parent = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            parent = liveness.process_stat(int(entry))[2]
             if parent == int(argv[5]) and Path(f"/proc/{parent}").exists():
                 continue
             os.kill(int(entry), signal.SIGKILL)

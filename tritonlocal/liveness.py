@@ -94,8 +94,8 @@ class CheckError(RuntimeError):
 
 
 # -- processes ----------------------------------------------------------------------------------
-def _stat(pid: int) -> tuple[str, str, int]:
-    """(comm, state, parent pid) of a process."""
+def process_stat(pid: int) -> tuple[str, str, int]:
+    """(comm, state, parent pid) of a process, from /proc/<pid>/stat."""
     text = (PROC / str(pid) / "stat").read_text()
     comm = text[text.index("(") + 1:text.rindex(")")]
     state, ppid = text[text.rindex(")") + 2:].split()[:2]
@@ -108,7 +108,7 @@ def server_pids() -> list[int]:
     for entry in PROC.iterdir():
         if entry.name.isdigit():
             try:
-                if _stat(int(entry.name))[0] == SERVER_COMM:
+                if process_stat(int(entry.name))[0] == SERVER_COMM:
                     found.append(int(entry.name))
             except (OSError, ValueError):
                 continue
@@ -123,7 +123,7 @@ def stubs_of(server_pid: int) -> list[Stub]:
             continue
         pid = int(entry.name)
         try:
-            comm, state, ppid = _stat(pid)
+            comm, state, ppid = process_stat(pid)
             if ppid != server_pid or not comm.startswith(STUB_COMM):
                 continue
             argv = (entry / "cmdline").read_bytes().split(b"\0")
@@ -177,7 +177,11 @@ def expected_instances(url: str, stub_backends=STUB_BACKENDS, timeout: float = 5
 
 # -- the check ----------------------------------------------------------------------------------
 def check(url: str, server_pid: int | None = None, stub_backends=STUB_BACKENDS,
-          timeout: float = 5.0, headers: dict[str, str] | None = None) -> Report:
+          timeout: float = 5.0, headers: dict[str, str] | None = None,
+          expected: dict[str, list[str]] | None = None) -> Report:
+    """``expected`` (model -> instance names, from ``expected_instances``) saves asking the
+    server for every config again: with model control mode ``none`` they cannot change while
+    the server runs."""
     if server_pid is None:
         servers = server_pids()
         if len(servers) != 1:
@@ -201,7 +205,8 @@ def check(url: str, server_pid: int | None = None, stub_backends=STUB_BACKENDS,
     running = {s.instance for s in stubs if s.state != "Z" and s.instance}
     if live:
         try:
-            expected = expected_instances(url, stub_backends, timeout, headers)
+            if expected is None:
+                expected = expected_instances(url, stub_backends, timeout, headers)
         except (CheckError, urllib.error.URLError, OSError, ValueError) as error:
             report.notes.append(f"instances not checked: {error}")
         else:

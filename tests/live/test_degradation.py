@@ -20,12 +20,11 @@ import time
 
 import numpy as np
 import pytest
-from tritonclient.utils import InferenceServerException
 
 from bls_models import spec as S
 from bench.clients import Answer, closed_loop
 from modelgen import variants
-from tests.live.support import image, metric
+from tests.live.support import image, metric, timed_infer
 
 SLOW_MS = 3000
 DEADLINE = 1.0            # pipeline_slow's default deadline
@@ -112,19 +111,10 @@ def _probe_while_full(url: str, model: str, count: int) -> list[tuple[float, str
     import tritonclient.grpc as grpcclient
 
     client = grpcclient.InferenceServerClient(url)
-    data, found = image(7), []
-    for i in range(count):
-        inputs = [grpcclient.InferInput("IMAGE", data.shape, "UINT8")]
-        inputs[0].set_data_from_numpy(data)
-        started = time.monotonic()
-        try:
-            client.infer(model, inputs, request_id=f"probe-{i}", client_timeout=60)
-            code = None
-        except InferenceServerException as error:
-            code = error.status()
-        found.append((time.monotonic() - started, code))
+    outcomes = [timed_infer(client, "grpc", model, image(7), request_id=f"probe-{i}",
+                            client_timeout=60) for i in range(count)]
     client.close()
-    return found
+    return [(o.elapsed, o.error.status() if o.error else None) for o in outcomes]
 
 
 @pytest.mark.parametrize("clients", [96])

@@ -24,11 +24,11 @@ import pytest
 import tritonclient.grpc as grpcclient
 
 from bench.clients import closed_loop
-from tests.live.support import image, server_options
+from tests.live.support import image, server_options, timed_infer
 from tests.live.test_launcher import spawn_serve
 from tritonlocal import TritonServer
 from tritonlocal.launcher import Supervisor
-from tritonlocal.liveness import stubs_of
+from tritonlocal.liveness import process_stat, server_pids, stubs_of
 
 ROOT = Path(__file__).resolve().parents[2]
 RECOVERY_LIMIT = 60.0     # the promise: serving again within 60 s of a stub's death
@@ -65,7 +65,7 @@ def kill_and_wait_dead(pid: int) -> None:
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         try:
-            if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
+            if process_stat(pid)[1] == "Z":
                 return
         except FileNotFoundError:
             return
@@ -91,12 +91,9 @@ def test_the_probe_sees_a_killed_stub_that_triton_still_calls_ready(fresh, serve
     data = np.random.default_rng(0).standard_normal((1, 3, 224, 224), dtype=np.float32)
     failures = []
     for _ in range(200):
-        inputs = [grpcclient.InferInput("PIXELS", data.shape, "FP32")]
-        inputs[0].set_data_from_numpy(data)
-        try:
-            client.infer("classifier", inputs)
-        except Exception as error:  # noqa: BLE001 - the failure is what we look for
-            failures.append(str(error))
+        outcome = timed_infer(client, "grpc", "classifier", data, name="PIXELS", dtype="FP32")
+        if outcome.error is not None:
+            failures.append(str(outcome.error))
             break
     client.close()
     assert failures and f"Stub process '{instance}' is not healthy" in failures[0], failures
@@ -208,11 +205,10 @@ def test_make_serve_restarts_the_server_when_a_stub_dies(repository, tmp_path):
         restart = next(line for line in lines if "restarting tritonserver" in line)
         assert "preprocess_0_" in restart and "without a live stub" in restart
         client = grpcclient.InferenceServerClient(f"127.0.0.1:{ports[1]}")
-        pixels = image(1)
-        inputs = [grpcclient.InferInput("IMAGE", pixels.shape, "UINT8")]
-        inputs[0].set_data_from_numpy(pixels)
-        assert client.infer("preprocess", inputs).as_numpy("PIXELS").shape == (1, 3, 224, 224)
+        answer = timed_infer(client, "grpc", "preprocess", image(1))
         client.close()
+        assert answer.error is None, answer.error
+        assert answer.result.as_numpy("PIXELS").shape == (1, 3, 224, 224)
     finally:
         launcher.send_signal(signal.SIGINT)
         launcher.wait(60)
@@ -221,12 +217,6 @@ def test_make_serve_restarts_the_server_when_a_stub_dies(repository, tmp_path):
 
 def server_pid(launcher_pid: int) -> int:
     """The tritonserver child of a `python -m tritonlocal serve` process."""
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            if "(tritonserver)" in stat and int(stat.rsplit(")", 1)[1].split()[1]) == launcher_pid:
-                return int(entry.name)
-    raise AssertionError("no tritonserver child")
+    children = [pid for pid in server_pids() if process_stat(pid)[2] == launcher_pid]
+    assert children, "no tritonserver child"
+    return children[0]
