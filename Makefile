@@ -1,4 +1,5 @@
-# Triton BLS pipelines — local CPU runtime (tritonserver 2.51 from the nvidia-pytriton wheel).
+# Triton BLS pipelines — local CPU runtime: tritonserver 2.51 from the nvidia-pytriton wheel with
+# Triton's own onnxruntime backend (r24.10, C++), built here from source (`make backend`).
 # `make help` lists the targets. Every target installs what it needs on first use.
 
 PYTHON           ?= python3
@@ -10,6 +11,13 @@ GRPC_PORT        ?= 8001
 METRICS_PORT     ?= 8002
 PYTEST_ARGS      ?=
 SOAK_ARGS        ?=
+# Triton's onnxruntime backend: the r24.10 source tarballs (no network needed when given; else
+# GitHub), the ONNX Runtime C API header (a libonnxruntime-dev .deb; else ONNX Runtime's release)
+# and the build cache (keyed by every input; rebuilt only when one changes).
+TRITON_SOURCES   ?= $(wildcard ../shared/vendor/triton-r24.10)
+ORT_HEADERS      ?= $(wildcard ../shared/vendor/onnxruntime-headers)
+BACKEND_CACHE    ?= .triton/onnxruntime-backend
+export TRITONLOCAL_BACKEND_CACHE := $(abspath $(BACKEND_CACHE))
 # The NGC container (GPU hosts with Docker and the NVIDIA container toolkit): docs/production.md
 IMAGE            ?= triton-bls-pipelines:24.10
 TEST_IMAGE       ?= triton-bls-pipelines-test:24.10
@@ -22,13 +30,14 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
 .DEFAULT_GOAL := help
-.PHONY: help venv models configs serve test test-unit bench soak clean docker-build docker-run test-container
+.PHONY: help venv backend models configs serve test test-unit bench soak clean docker-build docker-run test-container
 BENCH_EXPERIMENTS := orchestration fanout designs large_output clients tuning overload
 
 help: ## Show this help
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-15s %s\n", $$1, $$2}'
 	@echo "  make bench-<experiment>  one experiment: $(BENCH_EXPERIMENTS)"
 	@echo "  Variables: HTTP_PORT GRPC_PORT METRICS_PORT MODEL_REPOSITORY MODEL_SIZE=small|full PYTEST_ARGS SOAK_ARGS"
+	@echo "  Backend:   TRITON_SOURCES=$(TRITON_SOURCES) ORT_HEADERS=$(ORT_HEADERS) BACKEND_CACHE=$(BACKEND_CACHE)"
 	@echo "  Container: IMAGE TEST_IMAGE BLS_PROFILE=portable|gpu|gpu-ort-trt|gpu-trt GPUS SHM_SIZE PUBLISH_HOST"
 
 $(STAMP): pyproject.toml scripts/install_system_deps.sh scripts/install_perf_analyzer.py
@@ -40,29 +49,33 @@ $(STAMP): pyproject.toml scripts/install_system_deps.sh scripts/install_perf_ana
 
 venv: $(STAMP) ## Create .venv and install everything (pip + Debian packages + perf_analyzer)
 
+backend: $(STAMP) ## Build Triton's onnxruntime backend (C++, r24.10; ~20 s, cached by its inputs)
+	$(PY) -m tritonlocal.backend_build $(if $(TRITON_SOURCES),--sources $(TRITON_SOURCES)) \
+	    $(if $(ORT_HEADERS),--headers $(ORT_HEADERS))
+
 models: $(STAMP) ## Export the ONNX models into $(MODEL_REPOSITORY) (skipped when up to date)
 	$(PY) -m modelgen.export --repository $(MODEL_REPOSITORY) --size $(MODEL_SIZE)
 
 configs: $(STAMP) ## Regenerate every config.pbtxt from bls_models/spec.py
 	$(PY) -m modelgen.configs --repository $(MODEL_REPOSITORY)
 
-serve: models ## Serve $(MODEL_REPOSITORY) on 127.0.0.1 in the foreground (Ctrl-C stops it)
+serve: models backend ## Serve $(MODEL_REPOSITORY) on 127.0.0.1 in the foreground (Ctrl-C stops it)
 	$(PY) -m tritonlocal serve --model-repository $(MODEL_REPOSITORY) \
 	    --http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT)
 
-test: models ## Run the whole test suite (unit + live server) — what CI runs
+test: models backend ## Run the whole test suite (unit + live server) — what CI runs
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 test-unit: $(STAMP) ## Only the tests that need no server
 	$(PY) -m pytest -m "not live" $(PYTEST_ARGS)
 
-bench: models ## Run every benchmark (perf_analyzer; ~75 min, 50 of it tuning) -> bench/results/REPORT.md
+bench: models backend ## Run every benchmark (perf_analyzer; ~75 min, 50 of it tuning) -> bench/results/REPORT.md
 	$(PY) -m bench
 
-soak: models ## Soak both orchestrators (50 000 requests at concurrency 256; SOAK_ARGS) -> bench/results/soak.md
+soak: models backend ## Soak both orchestrators (50 000 requests at concurrency 256; SOAK_ARGS) -> bench/results/soak.md
 	$(PY) -m bench.soak $(SOAK_ARGS)
 
-$(addprefix bench-,$(BENCH_EXPERIMENTS)): bench-%: models ## (bench-orchestration, bench-fanout, ...) one experiment
+$(addprefix bench-,$(BENCH_EXPERIMENTS)): bench-%: models backend ## (bench-orchestration, bench-fanout, ...) one experiment
 	$(PY) -m bench --experiment $*
 
 docker-build: ## Build the NGC-based server image and its test image (Docker; no GPU needed)

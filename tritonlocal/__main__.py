@@ -17,6 +17,7 @@ import sys
 import threading
 from pathlib import Path
 
+from tritonlocal import backend_build
 from tritonlocal.launcher import ServerOptions, Supervisor, TritonServer, tail_to
 from tritonlocal.runtime import LauncherError
 
@@ -43,6 +44,8 @@ def banner(server: TritonServer) -> str:
         f"  gRPC     {server.grpc_url}",
         f"  metrics  {server.metrics_url}",
         f"  log      {server.log_file}",
+        f"  ONNX     {backend_build.summary(server.onnxruntime_backend)}"
+        if server.onnxruntime_backend else "  ONNX     (no ONNX model in the repository)",
         "",
         "Example request (paste into another shell):",
         example_request(server),

@@ -1,8 +1,9 @@
 """Start, watch and stop a local tritonserver: the one launcher ``make serve`` and the tests use.
 
 ``TritonServer`` checks everything that commonly goes wrong before starting (ports, the stub's
-shared libraries, numpy < 2), assembles a backend directory (python backend, the stub for the
-server's Python, the project's local ``onnxruntime`` backend), starts the server bound to
+shared libraries, numpy < 2), assembles a backend directory (the wheel's python backend with the
+stub for the server's Python, and Triton's C++ onnxruntime backend as built by
+``tritonlocal.backend_build``), starts the server bound to
 127.0.0.1, waits for ``/v2/health/ready`` and stops it with SIGINT, a grace period, then SIGKILL
 for its whole process group — the server and every python-backend stub it started. The server
 is started with ``PR_SET_PDEATHSIG`` so it dies when the launcher does; its stubs normally exit
@@ -32,10 +33,9 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tritonlocal import flags, liveness, runtime
+from tritonlocal import backend_build, flags, liveness, runtime
 from tritonlocal.runtime import LauncherError
 
-LOCAL_BACKENDS = Path(__file__).with_name("backends")
 SHM = Path("/dev/shm")
 SHM_PREFIX = "tritonlocal_"  # + launcher pid + "_" + run id + "_" + Triton's UUID
 # The APIs an ``admin_header`` restricts: everything that changes what the server serves or reads
@@ -71,6 +71,9 @@ class ServerOptions:
     # HTTP and gRPC (Triton's --http-restricted-api / --grpc-restricted-protocol). None: open.
     admin_header: tuple[str, str] | None = None
     extra_args: list[str] = field(default_factory=list)
+    # Triton's onnxruntime backend (libtriton_onnxruntime.so and its libonnxruntime.so.1), as
+    # `make backend` builds it; None: the last build in the cache (backend_build.installed()).
+    onnxruntime_backend: Path | None = None
 
 
 def restriction_args(header: tuple[str, str] | None) -> list[str]:
@@ -94,6 +97,7 @@ class TritonServer:
         self._run_dir: Path | None = None
         self._shm_prefix = ""
         self.log_file: Path | None = None
+        self.onnxruntime_backend: Path | None = None  # the build this server loaded, if any
         self._expected: tuple[int, dict[str, list[str]]] | None = None  # (server pid, instances)
 
     # -- URLs -----------------------------------------------------------------------------
@@ -133,14 +137,16 @@ class TritonServer:
                                              "metrics": opts.metrics_port})
         repositories = [repository, *(Path(a.split("=", 1)[1]) for a in opts.extra_args
                                       if a.startswith("--model-repository="))]
-        check_shm_space(stub_instances(repositories, self.stub_backends()),
-                        opts.shm_default_bytes)
+        models = read_configs(repositories)
+        check_shm_space(stub_instances(models), opts.shm_default_bytes)
+        onnxruntime = self.onnxruntime_backend = self._onnxruntime_backend(models)
 
         self._run_dir = Path(tempfile.mkdtemp(prefix="tritonlocal-"))
         kill_orphaned_stubs()
         remove_stale_regions()
         self._shm_prefix = f"{SHM_PREFIX}{os.getpid()}_{self._run_dir.name.removeprefix('tritonlocal-')}_"
-        backends = self._assemble_backends(install, stub, self._run_dir / "backends")
+        backends = self._assemble_backends(install, stub, onnxruntime,
+                                           self._run_dir / "backends")
         self.log_file = Path(opts.log_file) if opts.log_file else self._run_dir / "tritonserver.log"
         self.log_file.parent.mkdir(parents=True, exist_ok=True)
         command = [
@@ -211,11 +217,6 @@ class TritonServer:
             return []
         return sorted(group_stubs(self.process.pid).get(model, []))
 
-    def stub_backends(self) -> tuple[str, ...]:
-        """Backends whose models run in python stubs here: python and the local python-based ones."""
-        return (*liveness.STUB_BACKENDS,
-                *sorted(b.name for b in LOCAL_BACKENDS.iterdir() if (b / "model.py").exists()))
-
     def liveness(self, timeout: float = 5.0) -> liveness.Report:
         """Is the server live with every stub running? (``tritonlocal.liveness.check``)
 
@@ -228,12 +229,12 @@ class TritonServer:
         if self._expected is None or self._expected[0] != pid:
             try:
                 self._expected = (pid, liveness.expected_instances(
-                    self.http_url, self.stub_backends(), timeout, headers))
+                    self.http_url, timeout=timeout, headers=headers))
             except (liveness.CheckError, urllib.error.URLError, OSError, ValueError):
                 self._expected = None  # not answering yet: check() reports it, and asks again
         expected = self._expected[1] if self._expected else None
-        return liveness.check(self.http_url, pid, self.stub_backends(), timeout, headers,
-                              expected)
+        return liveness.check(self.http_url, pid, timeout=timeout, headers=headers,
+                              expected=expected)
 
     def log_tail(self, lines: int = 40) -> str:
         if self.log_file is None or not self.log_file.exists():
@@ -245,18 +246,33 @@ class TritonServer:
             return json.load(response)
 
     # -- internals ------------------------------------------------------------------------
-    def _assemble_backends(self, install: runtime.Installation, stub: Path, target: Path) -> Path:
+    def _onnxruntime_backend(self, models: list) -> Path | None:
+        """The built onnxruntime backend, or None if no model needs it; refuses to start
+        without it rather than serve ONNX models with anything else."""
+        built = self.options.onnxruntime_backend or backend_build.installed()
+        needed = sorted(m.name for m in models if uses_onnxruntime(m))
+        if built is None or not (Path(built) / backend_build.BACKEND_LIB).is_file():
+            if needed:
+                raise LauncherError(
+                    f"Triton's onnxruntime backend is not built ({len(needed)} model(s) need it: "
+                    f"{', '.join(needed[:4])}{', ...' if len(needed) > 4 else ''}); build it "
+                    "with `make backend` (python -m tritonlocal.backend_build), which `make "
+                    "serve` and `make test` run")
+            return None
+        return Path(built)
+
+    def _assemble_backends(self, install: runtime.Installation, stub: Path,
+                           onnxruntime: Path | None, target: Path) -> Path:
+        """<target>/python (the wheel's python backend and the stub) and <target>/onnxruntime
+        (a copy of the build, so a rebuild never changes what a running server loaded)."""
         python_dir = target / "python"
         python_dir.mkdir(parents=True)
         for item in install.python_backend.iterdir():
             if item.is_file():
                 shutil.copy2(item, python_dir / item.name)
         shutil.copy2(stub, python_dir / stub.name)
-        # Python-based backends: <backend-dir>/<name>/model.py, loaded through libtriton_python.so.
-        for backend in LOCAL_BACKENDS.iterdir():
-            if (backend / "model.py").exists():
-                (target / backend.name).mkdir()
-                shutil.copy2(backend / "model.py", target / backend.name / "model.py")
+        if onnxruntime is not None:
+            shutil.copytree(onnxruntime, target / "onnxruntime")
         return target
 
     def _wait_ready(self, repository: Path) -> None:
@@ -281,7 +297,8 @@ class TritonServer:
     def _startup_failure(self, code: int, repository: Path) -> str:
         failed = failed_models(self.log_tail(400))
         if failed:
-            detail = "\n".join(f"  - {name}: {reason}" for name, reason in failed.items())
+            detail = "\n".join(f"  - {name}: {reason}{load_hint(reason)}"
+                               for name, reason in failed.items())
             head = f"tritonserver exited ({code}): model(s) failed to load from {repository}:\n{detail}"
         else:
             head = f"tritonserver exited with code {code} before it was ready"
@@ -388,23 +405,39 @@ class Supervisor:
             self._thread.join()
 
 
-def stub_instances(repositories: list[Path], stub_backends) -> int:
-    """How many python-backend stubs the repositories' models start: the instances of every model
-    whose backend runs in stubs (KIND_GPU groups are not counted: no GPU is used locally)."""
+def read_configs(repositories: list[Path]) -> list:
+    """The ``ModelConfig`` of every model in the repositories (unparsable ones skipped: Triton
+    reports bad configs itself, better)."""
     from google.protobuf import text_format
     from tritonclient.grpc import model_config_pb2
 
-    cpu = {model_config_pb2.ModelInstanceGroup.KIND_CPU, model_config_pb2.ModelInstanceGroup.KIND_AUTO}
-    count = 0
+    models = []
     for repository in repositories:
         for path in sorted(Path(repository).glob("*/config.pbtxt")):
             try:
                 config = text_format.Parse(path.read_text(), model_config_pb2.ModelConfig())
-            except Exception:  # noqa: BLE001 - Triton reports bad configs itself, better
+            except Exception:  # noqa: BLE001
                 continue
-            if config.backend in stub_backends:
-                groups = config.instance_group or [model_config_pb2.ModelInstanceGroup(count=1)]
-                count += sum(max(g.count, 1) for g in groups if g.kind in cpu)
+            config.name = config.name or path.parent.name
+            models.append(config)
+    return models
+
+
+def uses_onnxruntime(config) -> bool:
+    return config.backend == "onnxruntime" or config.platform == "onnxruntime_onnx"
+
+
+def stub_instances(models: list) -> int:
+    """How many python-backend stubs the models start: the instances of every model the python
+    backend serves (KIND_GPU groups are not counted: no GPU is used locally)."""
+    from tritonclient.grpc import model_config_pb2
+
+    cpu = {model_config_pb2.ModelInstanceGroup.KIND_CPU, model_config_pb2.ModelInstanceGroup.KIND_AUTO}
+    count = 0
+    for config in models:
+        if config.backend in liveness.STUB_BACKENDS:
+            groups = config.instance_group or [model_config_pb2.ModelInstanceGroup(count=1)]
+            count += sum(max(g.count, 1) for g in groups if g.kind in cpu)
     return count
 
 
@@ -430,11 +463,18 @@ def failed_models(log: str) -> dict[str, str]:
     """Model name -> reason, from Triton's "failed to load" lines and its model status table."""
     failed: dict[str, str] = {}
     for name, reason in re.findall(r"failed to load '([^']+)' version \d+: (.*)", log):
-        failed.setdefault(name, reason.strip())
+        failed.setdefault(name, reason.strip().removesuffix('"'))
     for name, reason in re.findall(r"^\|\s*(\S+)\s*\|\s*\d+\s*\|\s*UNAVAILABLE: (.*?)\s*\|\s*$",
                                    log, flags=re.MULTILINE):
         failed.setdefault(name, reason.strip())
     return failed
+
+
+def load_hint(reason: str) -> str:
+    """What to do about a model's load failure, where the server's own words do not say it."""
+    if re.search(r"(failed to stat file |unable to find ')\S*\.onnx", reason):
+        return " (the ONNX file does not exist: run `make models`)"
+    return ""
 
 
 def shm_regions(prefix: str) -> list[Path]:

@@ -8,10 +8,11 @@ it, while ``/v2/health/live``, ``/v2/health/ready`` and ``/v2/models/<m>/ready``
 
 * **zombies** — a stub is tritonserver's child and the server does not reap a dead one, so a
   killed stub stays in ``/proc`` in state ``Z`` (its command line is gone, its name is not);
-* **missing instances** — every loaded model served by a stub backend (``python``, plus any
-  python-based backend such as this project's local ``onnxruntime``) must have one live stub per
-  instance its config declares (``<group name>_<index>``, the stub's argv[8]); an instance
-  without one has died, whether or not the server reaped it.
+* **missing instances** — every loaded model the python backend serves (and any python-based
+  backend named with ``--stub-backend``) must have one live stub per instance its config
+  declares (``<group name>_<index>``, the stub's argv[8]); an instance without one has died,
+  whether or not the server reaped it. Models of C++ backends (onnxruntime, tensorrt, ensembles)
+  run inside tritonserver and have no stubs.
 
 It also asks ``/v2/health/live``, so one check covers the server and its stubs. It uses only
 the standard library, reads ``/proc`` of the server's PID namespace and calls only endpoints

@@ -1,5 +1,6 @@
-"""The launcher against real tritonserver processes: its error paths, clean shutdown and the
-local onnxruntime backend's batching (with a test repository built from the spec)."""
+"""The launcher against real tritonserver processes: its error paths, clean shutdown, and what
+Triton's onnxruntime backend does with a dynamic batch (with test repositories built from the
+spec)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 
 from bls_models import spec as S
+from modelgen import variants
 from tests.live.support import make_repository
 from tests.live.support import server_options as options
 from tritonlocal import LauncherError, TritonServer
@@ -50,7 +52,8 @@ def test_a_model_whose_onnx_does_not_match_its_config_names_model_and_tensors(re
 def test_a_missing_onnx_file_says_to_run_make_models(repository, tmp_path):
     repo = make_repository(tmp_path / "repo", repository, S.PREPROCESS,
                            onnx_from={"preprocess": None})
-    with pytest.raises(LauncherError, match=r"preprocess.*does not exist \(run `make models`\)"):
+    with pytest.raises(LauncherError,
+                       match=r"preprocess: .*model\.onnx.*does not exist: run `make models`"):
         TritonServer(options(repo, tmp_path)).start()
 
 
@@ -66,10 +69,12 @@ def test_a_port_in_use_fails_before_starting(server, repository, tmp_path):
 def test_too_little_dev_shm_fails_before_starting(repository, tmp_path):
     # /dev/shm's real free space, and regions so large that the committed repository's
     # python-backend instances cannot all have one: the launcher must refuse, naming the remedy.
-    stubs = sum(m.instance_count for m in S.ALL_MODELS if m.backend in ("python", "onnxruntime"))
+    # Only the python backend's models have stubs (the ONNX models run inside tritonserver).
+    stubs = sum(m.instance_count for m in S.ALL_MODELS if m.backend == "python")
+    assert stubs >= 2
     stat = os.statvfs("/dev/shm")
     free = stat.f_bavail * stat.f_frsize
-    launcher = TritonServer(options(repository, tmp_path, shm_default_bytes=free // 4))
+    launcher = TritonServer(options(repository, tmp_path, shm_default_bytes=free // 2))
     with pytest.raises(LauncherError, match=rf"/dev/shm has \d+ MiB free, but the {stubs} "
                                             r"python-backend model instances need .*--shm-size"):
         launcher.start()
@@ -83,15 +88,29 @@ def test_not_ready_in_time_is_reported_and_the_server_is_stopped(repository, tmp
     assert launcher.process is None and not launcher.is_running()
 
 
+# A python model beside an ONNX one: only the python backend's models have stub processes.
+PYTHON_MODEL = variants.fault_model("fault_preprocess", S.PREPROCESS, instances=2)
+
+
+def mixed_repository(target: Path, repository: Path) -> Path:
+    """``preprocess`` (onnxruntime, inside tritonserver) and ``PYTHON_MODEL`` (one stub per
+    instance)."""
+    repo = make_repository(target, repository, S.PREPROCESS)
+    variants.write(repo, PYTHON_MODEL, variants.FAULT_MODEL)
+    return repo
+
+
 def test_stop_takes_every_stub_with_it(repository, tmp_path):
-    repo = make_repository(tmp_path / "repo", repository, S.PREPROCESS)
+    python_model = PYTHON_MODEL
+    repo = mixed_repository(tmp_path / "repo", repository)
     with TritonServer(options(repo, tmp_path)) as launcher:
         pid = launcher.process.pid
         stubs = subprocess.run(["pgrep", "-g", str(pid), "-f", "triton_python_backend_stub"],
                                capture_output=True, text=True).stdout.split()
-        assert len(stubs) == S.PREPROCESS.instance_count
+        assert len(stubs) == python_model.instance_count
+        assert sorted(launcher.liveness().checked_models) == [python_model.name]
         prefix = launcher._shm_prefix
-        assert len(shm_regions(prefix)) == S.PREPROCESS.instance_count
+        assert len(shm_regions(prefix)) == python_model.instance_count
     assert not group_alive(pid), "processes of the server's group survived stop()"
     assert shm_regions(prefix) == [], "shared-memory regions left in /dev/shm"
 
@@ -128,8 +147,8 @@ def test_a_launcher_start_kills_stubs_whose_server_is_gone(tmp_path):
 
 
 def spawn_serve(repository: Path, tmp_path: Path, *extra: str):
-    """`python -m tritonlocal serve` (what `make serve` runs) over a one-model repository."""
-    repo = make_repository(tmp_path / "repo", repository, S.PREPROCESS)
+    """`python -m tritonlocal serve` (what `make serve` runs) over ``mixed_repository``."""
+    repo = mixed_repository(tmp_path / "repo", repository)
     ports = free_ports(3)
     launcher = subprocess.Popen(
         [sys.executable, "-m", "tritonlocal", "serve", "--quiet", "--model-repository", str(repo),
@@ -227,7 +246,10 @@ def test_requests_sent_together_run_as_one_batch(batching_server):
     assert (inferences, executions) == (4, 1), "4 requests should have run as one ONNX batch"
 
 
-def test_one_bad_request_fails_alone_not_its_batch(batching_server):
+def test_one_bad_token_fails_every_request_of_its_tagger_batch(batching_server):
+    # Triton's onnxruntime backend runs a dynamic batch as one ONNX Runtime call: a token
+    # outside the embedding table fails the call, and with it the three good requests.
+    # (tests/live/test_backend_errors.py shows the same through an orchestrator.)
     rng = np.random.default_rng(4)
     batches = [rng.integers(0, S.TAGGER_VOCAB, (1, S.TAGGER_SEQ_LEN), dtype=np.int64)
                for _ in range(4)]
@@ -235,12 +257,10 @@ def test_one_bad_request_fails_alone_not_its_batch(batching_server):
     results = send_together(batching_server.grpc_url, "tagger", "TOKENS", batches, "INT64")
     assert len(results) == 4
     errors = [error for _, error in results if error is not None]
-    assert len(errors) == 1, [str(e) for e in errors]
-    assert errors[0].status() == "StatusCode.INVALID_ARGUMENT"
-    assert "onnxruntime" in errors[0].message()
-    for result, error in results:
-        if error is None:
-            assert result.as_numpy("LOGITS").shape == (1, S.TAGGER_SEQ_LEN, S.TAGGER_VOCAB)
+    assert len(errors) == 4, [str(e) for e in errors]
+    assert {e.status() for e in errors} == {"StatusCode.INTERNAL"}
+    assert all(f"idx={S.TAGGER_VOCAB + 5}" in e.message() and "onnx runtime error 2" in e.message()
+               for e in errors)
 
 
 def test_tracing_on_does_not_crash_the_orchestrators(repository, tmp_path):
