@@ -43,8 +43,9 @@ KIND_CODES = {
     Kind.FAILED: Code.INTERNAL,
 }
 
-# Message fragments of Triton 2.51 (core r24.10, python_backend r24.10, ONNX Runtime), first
-# match wins. Keep lower case.
+# Message fragments of Triton 2.51 (core r24.10, python_backend r24.10, the C++ onnxruntime
+# backend r24.10 over ONNX Runtime), first match wins. Keep lower case. Each was seen on a BLS
+# sub-request to a real sub-model on the real backend (tests/live/test_backend_errors.py).
 _PATTERNS: tuple[tuple[str, Kind], ...] = (
     ("request timeout expired", Kind.DEADLINE),                   # queue policy timeout
     ("exceeds maximum queue size", Kind.QUEUE_FULL),              # max_queue_size
@@ -53,6 +54,14 @@ _PATTERNS: tuple[tuple[str, Kind], ...] = (
     ("is not found", Kind.NOT_READY),
     ("cancelled", Kind.CANCELLED),
     ("canceled", Kind.CANCELLED),
+    # Triton core refuses the request before any backend runs it:
+    ("unexpected shape for input", Kind.INVALID),
+    ("data-type is", Kind.INVALID),                               # "... but model 'm' expects"
+    ("missing required input", Kind.INVALID),
+    # The onnxruntime backend reports ONNX Runtime's status as "onnx runtime error <code>: ...";
+    # code 2 is ORT_INVALID_ARGUMENT (the data, e.g. an index out of a table). Other codes
+    # (1 FAIL, 6 RUNTIME_EXCEPTION, ...) are the model's failure.
+    ("onnx runtime error 2:", Kind.INVALID),
     ("invalid_argument", Kind.INVALID),                           # ONNX Runtime's status name
     ("invalid argument", Kind.INVALID),
     ("out of bounds", Kind.INVALID),

@@ -12,7 +12,7 @@ import shutil
 from pathlib import Path
 
 from bls_models import spec as S
-from modelgen import configs
+from modelgen import configs, poison
 
 FAULT_MODEL = Path(__file__).with_name("fault_model.py")
 
@@ -40,6 +40,35 @@ FAULT_MODELS = (
     # Made slow for a while, then recovered, by the degradation test (its slow_ms file).
     fault_model("fault_slow", S.CLASSIFIER),
 )
+
+
+# An ONNX model with the classifier's contract that fails its whole batch when one item is
+# poisoned (modelgen/poison.py), on Triton's onnxruntime backend. One instance and a 200 ms
+# batching delay with a preferred size of 4: four requests sent together run as one batch.
+# KIND_CPU also in the container: ONNX Runtime's CPU Gather checks its indices (its CUDA
+# kernel's behaviour on an out-of-range index is not what this model is about).
+FAULT_BATCH = dataclasses.replace(
+    S.CLASSIFIER, name="fault_batch", instance_count=1, kind="KIND_CPU",
+    batching=S.BatchingSpec(preferred_batch_sizes=(4,), max_queue_delay_us=200_000),
+    description="classifier contract; ONNX Runtime fails the whole batch if an item is poisoned")
+
+
+# The real classifier with one instance and a queue of 1, and one with a queue of 64: kept busy
+# by a test, a BLS sub-request to them is refused (queue full) or expires in the queue (timeout).
+CONTENDED = (
+    dataclasses.replace(S.CLASSIFIER, name="classifier_queue1", instance_count=1,
+                        batching=S.BatchingSpec(preferred_batch_sizes=(), max_queue_delay_us=0,
+                                                max_queue_size=1)),
+    dataclasses.replace(S.CLASSIFIER, name="classifier_queue64", instance_count=1,
+                        batching=S.BatchingSpec(preferred_batch_sizes=(), max_queue_delay_us=0,
+                                                max_queue_size=64)),
+)
+PROBE_MODEL = Path(__file__).with_name("probe_model.py")
+PROBE = S.ModelSpec(
+    name="bls_probe", backend="python", kind="KIND_CPU", instance_count=1, max_batch_size=0,
+    batching=None, inputs=(S.TensorSpec("SPEC", "TYPE_STRING", (1,)),),
+    outputs=(S.TensorSpec("MESSAGE", "TYPE_STRING", (1,)),),
+    description="sends one BLS sub-request and answers its error message (modelgen/probe_model.py)")
 
 
 def variant(base: S.ModelSpec, name: str, **parameters: str) -> S.ModelSpec:
@@ -81,12 +110,15 @@ def real_model_variants(real_repository: Path) -> tuple[S.ModelSpec, ...]:
         # so this exercises the fallback (tests/live/test_pipelines.py).
         variant(S.PIPELINE, "pipeline_gpu_tensors", gpu_tensors="on",
                 stage_model_repositories=str(real_repository)),
+        # The classifier stage on the poisonable model (tests/live/test_batch_failures.py).
+        variant(S.PIPELINE, "pipeline_poison", classifier_model=FAULT_BATCH.name,
+                stage_model_repositories=str(real_repository)),
     )
 
 BASE_OF = {"pipeline_faulty": "pipeline", "tag_pipeline_faulty": "tag_pipeline",
            "pipeline_queue": "pipeline", "pipeline_crash": "pipeline",
            "pipeline_slow": "pipeline", "pipeline_admission": "pipeline",
-           "pipeline_gpu_tensors": "pipeline"}
+           "pipeline_gpu_tensors": "pipeline", "pipeline_poison": "pipeline"}
 
 
 def build(target: Path, real_repository: Path, variants=None, base_of=None) -> Path:
@@ -97,6 +129,12 @@ def build(target: Path, real_repository: Path, variants=None, base_of=None) -> P
         variants = (*VARIANTS, *real_model_variants(real_repository))
     for model in FAULT_MODELS:
         write(target, model, FAULT_MODEL)
+    (target / FAULT_BATCH.name / "1").mkdir(parents=True)
+    (target / FAULT_BATCH.name / "config.pbtxt").write_text(configs.render(FAULT_BATCH))
+    poison.write(target / FAULT_BATCH.name / "1" / "model.onnx")
+    write(target, PROBE, PROBE_MODEL)
+    for model in CONTENDED:
+        write_onnx(target, model, real_repository / S.CLASSIFIER.name / "1" / "model.onnx")
     for model in variants:
         write(target, model, real_repository / base_of[model.name] / "1" / "model.py")
     return target

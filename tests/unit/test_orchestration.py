@@ -145,8 +145,20 @@ def test_out_of_range_tokens_are_invalid_input_and_no_sub_request_is_made(bad):
     ("Failed for execute the inference request. Model 'x' is not ready.", Kind.NOT_READY,
      Code.UNAVAILABLE),
     ("Failed to increase the shared memory pool size for key 'k'", Kind.SHM, Code.UNAVAILABLE),
-    ("onnxruntime: [ONNXRuntimeError] : 2 : INVALID_ARGUMENT : indices element out of data bounds",
-     Kind.INVALID, Code.INVALID_ARG),
+    # As Triton's onnxruntime backend and Triton core word them (tests/live/test_backend_errors.py
+    # checks these kinds against the real messages).
+    ("onnx runtime error 2: Non-zero status code returned while running Gather node. Name:'' "
+     "Status Message: indices element out of data bounds, idx=7 must be within the inclusive "
+     "range [-2,1]", Kind.INVALID, Code.INVALID_ARG),
+    ("onnx runtime error 6: Non-zero status code returned while running Conv node.",
+     Kind.FAILED, Code.INTERNAL),
+    ("Model classifier - Error when running inference: [request id: <id_unknown>] unexpected "
+     "shape for input 'PIXELS' for model 'classifier'. Expected [-1,3,224,224], got "
+     "[1,3,100,100].", Kind.INVALID, Code.INVALID_ARG),
+    ("[request id: <id_unknown>] inference input 'PIXELS' data-type is 'FP64', but model "
+     "'classifier' expects 'FP32'", Kind.INVALID, Code.INVALID_ARG),
+    ("expected 1 inputs but got 0 inputs for model 'classifier'. Got input(s) [], but missing "
+     "required input(s) ['PIXELS'].", Kind.INVALID, Code.INVALID_ARG),
     ("Stub process 'classifier_0_0' is not healthy.", Kind.FAILED, Code.INTERNAL),
     ("division by zero", Kind.FAILED, Code.INTERNAL),
 ])
