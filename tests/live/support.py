@@ -29,6 +29,36 @@ STATUS = {
 }
 
 
+# Served results against the tests' in-process ONNX Runtime. Both run the same library (the
+# venv's onnxruntime 1.31.1, which Triton's onnxruntime backend is built against and loads) on
+# the same ONNX file, so a served result can differ only by how its rows were batched with
+# others: the allowed difference is what in-process ONNX Runtime itself shows between batch
+# compositions of the same rows (``batch_spread``). On this host that is zero: served results
+# are bit-for-bit the in-process ones, whatever the thread count (measured).
+# Where two implementations compute the same function, ONNX Runtime's Softmax (postprocess,
+# tagger_tags) against the orchestrator's numpy, float32 rounding differs by a few ulps:
+# measured up to 6.8e-7 relative; allowed 2e-6.
+SOFTMAX_RTOL = 2e-6
+
+
+def batch_spread(run, data: np.ndarray, batch: int) -> list[float]:
+    """Per output of ``run(data)``: the largest difference between ``data``'s rows run alone
+    and run inside a batch of ``batch`` rows (the others other inputs)."""
+    filler = np.concatenate([data[::-1]] * (batch // len(data) + 1))
+    padded = np.concatenate([data, filler])[:max(batch, len(data))]
+    alone, inside = run(data), run(padded)
+    return [float(np.max(np.abs(a.astype(np.float64) - b[:len(data)])))
+            for a, b in zip(alone, inside)]
+
+
+def assert_served(actual: np.ndarray, expected: np.ndarray, spread: float, name: str = "") -> None:
+    """``actual`` (served) equals ``expected`` (in-process) up to ``spread`` (``batch_spread``)."""
+    assert actual.shape == expected.shape and actual.dtype == expected.dtype, name
+    difference = float(np.max(np.abs(actual.astype(np.float64) - expected))) if actual.size else 0
+    assert difference <= spread, (f"{name}: served differs from in-process ONNX Runtime by "
+                                  f"{difference:.3g}, more than its batch spread {spread:.3g}")
+
+
 def server_options(repository: Path, tmp_path: Path, **kw) -> ServerOptions:
     """Options for one more server: free ports, its log in ``tmp_path``."""
     http, grpc, metrics = free_ports(3)
