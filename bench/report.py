@@ -11,7 +11,8 @@ import subprocess
 from datetime import datetime, timezone
 from pathlib import Path
 
-ORDER = ["orchestration", "fanout", "designs", "large_output", "clients", "tuning", "overload"]
+ORDER = ["orchestration", "fanout", "designs", "large_output", "clients", "tuning", "overload",
+         "ort_options"]
 
 
 def machine() -> dict[str, str]:
@@ -39,7 +40,20 @@ def machine() -> dict[str, str]:
     except OSError:
         commit = ""
     return {"cpu": f"{cpu} ({simd})" if simd else cpu, "cores": str(os.cpu_count()), "memory_gib": f"{memory:.0f}",
-            "os": platform.platform(), "python": platform.python_version(), "commit": commit}
+            "os": platform.platform(), "python": platform.python_version(), "commit": commit,
+            "onnx_backend": onnx_backend()}
+
+
+def onnx_backend() -> str:
+    """What serves the ONNX models in this run: the build `make backend` made."""
+    from tritonlocal import backend_build
+
+    built = backend_build.installed()
+    if built is None:
+        return "no onnxruntime backend built"
+    info = json.loads((built.parent / "build-info.json").read_text())
+    return (f"Triton's onnxruntime backend {info['tag']} (C++, built here) on ONNX Runtime "
+            f"{info['library']['version']}")
 
 
 _STARTED: dict[str, str] = {}
@@ -153,7 +167,8 @@ def assemble(out: Path) -> Path:
         lines += ["| | |", "|---|---|",
                   f"| hardware | {m['cpu']}, {m['cores']} cores, {m['memory_gib']} GiB, no GPU |",
                   f"| software | Triton {first['triton']} (nvidia-pytriton wheel), CPU instances, "
-                  f"local onnxruntime backend; Python {m['python']}; {m['os']} |",
+                  f"{m.get('onnx_backend', 'the Python stand-in onnxruntime backend')}; "
+                  f"Python {m['python']}; {m['os']} |",
                   "| client | on the same machine as the server (it competes for the 2 cores) |",
                   "| protocol | gRPC unless a row says otherwise; perf_analyzer from tritonclient 2.50.0 |",
                   "", "Absolute figures differ between hosts of this kind by up to 2× (the same "
@@ -165,6 +180,8 @@ def assemble(out: Path) -> Path:
         lines += [f"## {meta['title']}", "",
                   f"Measured {meta['when']} at commit `{meta['machine']['commit']}`{quick}"
                   + (f" on {meta['machine']['cpu']}" if meta["machine"]["cpu"] != m["cpu"] else "")
+                  + (f" with {meta['machine'].get('onnx_backend', 'the Python stand-in backend')}"
+                     if meta["machine"].get("onnx_backend") != m.get("onnx_backend") else "")
                   + ". "
                   f"Data: [`{name}.csv`]({name}.csv).", ""]
         lines += _separate_tables(meta["summary"]) + [""]

@@ -106,9 +106,17 @@ TAG_PROBS = TensorSpec("TAG_PROBS", "TYPE_FP32", (TAGGER_SEQ_LEN,))
 # them equal to bench/results/tuning.json.
 _CNN_BATCHING = BatchingSpec(preferred_batch_sizes=(4, 8), max_queue_delay_us=100)
 
+# Parameters of Triton's onnxruntime backend for CPU instances (docs/configuration.md; measured
+# by `make bench-ort_options`). One intra-op and one inter-op thread per ONNX Runtime session:
+# without them each session sizes its own pool to the machine's cores, and the 10 instances of
+# the CNN pipeline then oversubscribe the cores with spinning threads. Concurrency comes from
+# instances and batches instead. The GPU profiles set their own (modelgen/profiles.py).
+ORT_CPU_PARAMETERS = {"intra_op_thread_count": "1", "inter_op_thread_count": "1"}
+
 PREPROCESS = ModelSpec(
     name="preprocess",
     backend="onnxruntime",
+    parameters=ORT_CPU_PARAMETERS,
     inputs=(IMAGE,),
     outputs=(PIXELS,),
     max_batch_size=16,
@@ -118,6 +126,7 @@ PREPROCESS = ModelSpec(
 CLASSIFIER = ModelSpec(
     name="classifier",
     backend="onnxruntime",
+    parameters=ORT_CPU_PARAMETERS,
     inputs=(PIXELS,),
     outputs=(CLASS_LOGITS,),
     max_batch_size=16,
@@ -130,6 +139,7 @@ CLASSIFIER = ModelSpec(
 EMBEDDER = ModelSpec(
     name="embedder",
     backend="onnxruntime",
+    parameters=ORT_CPU_PARAMETERS,
     inputs=(PIXELS,),
     outputs=(EMBEDDING,),
     max_batch_size=16,
@@ -139,6 +149,7 @@ EMBEDDER = ModelSpec(
 TAGGER = ModelSpec(
     name="tagger",
     backend="onnxruntime",
+    parameters=ORT_CPU_PARAMETERS,
     inputs=(TOKENS,),
     outputs=(TAG_LOGITS,),
     # One item's output is 28.7 MB: keep batches small so a batch stays well inside shm.
@@ -163,6 +174,7 @@ CLASS_PROBS = TensorSpec("CLASS_PROBS", "TYPE_FP32", (TOP_K,))
 POSTPROCESS = ModelSpec(
     name="postprocess",
     backend="onnxruntime",
+    parameters=ORT_CPU_PARAMETERS,
     inputs=(CLASS_LOGITS,),
     outputs=(CLASS_IDS, CLASS_PROBS),
     max_batch_size=16,

@@ -49,6 +49,13 @@ GPU_INSTANCES = {"preprocess": 1, "classifier": 2, "embedder": 2, "tagger": 1, "
 # (The tagger's INT64 token input and preprocess's UINT8 image stay on ONNX Runtime.)
 TRT_MODELS = ("classifier", "embedder")
 TRT_WORKSPACE_BYTES = 2 * 2**30
+# ONNX Runtime's CPU threads on GPU instances, decided apart from the CPU profile's
+# (spec.ORT_CPU_PARAMETERS). With the CUDA or TensorRT provider the kernels run on the GPU; a
+# session's CPU threads only run the few CPU-placed nodes and launch work, and several sessions
+# share the host's cores (6 instances per GPU here, up to 8 GPUs per host). Two intra-op threads
+# leave room for CPU-placed nodes without a per-session pool of every core. Not yet measured on
+# a GPU: `make bench-ort_options` on the GPU host is where to revisit it.
+GPU_ORT_PARAMETERS = {"intra_op_thread_count": "2", "inter_op_thread_count": "1"}
 
 
 def trt_name(model: str) -> str:
@@ -75,6 +82,8 @@ def profile_config(model: S.ModelSpec, profile: str, cache: str = DEFAULT_CACHE)
     config = configs.config_dict(model)
     if model.backend in ("onnxruntime", "") and model.platform != "ensemble":
         config["instance_group"] = _gpu_group(model)
+    if model.backend == "onnxruntime":
+        config["parameters"].update({k: {"string_value": v} for k, v in GPU_ORT_PARAMETERS.items()})
     if profile == "gpu-ort-trt" and model.backend == "onnxruntime":
         config["optimization"] = {"execution_accelerators": {"gpu_execution_accelerator": [{
             "name": "tensorrt",

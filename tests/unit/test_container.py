@@ -130,6 +130,9 @@ def test_every_gpu_profile_config_parses_and_meets_the_orchestrators_stage_check
             assert trt.parameters["trt_engine_cache_path"] == f"/var/cache/bls/ort-trt/{model.name}"
         else:
             assert not accelerators
+        if model.backend == "onnxruntime":  # thread counts decided for GPU instances, not CPU's
+            threads = {k: config.parameters[k].string_value for k in profiles.GPU_ORT_PARAMETERS}
+            assert threads == profiles.GPU_ORT_PARAMETERS, model.name
     pipeline = configs.parse_pbtxt((tmp_path / profile / "pipeline" / "config.pbtxt").read_text())
     classifier = pipeline.parameters["classifier_model"].string_value
     assert classifier == ("classifier_trt" if profile == "gpu-trt" else "classifier")

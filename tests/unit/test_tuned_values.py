@@ -1,4 +1,5 @@
-"""The committed configs carry the tuning sweep's winners (bench/results/tuning.json).
+"""The committed configs carry the tuning sweep's winners (bench/results/tuning.json) and the
+ONNX Runtime options that won `make bench-ort_options` (bench/results/ort_options.json).
 
 Re-running `make bench-tuning` rewrites the winners; this test then fails until they are applied
 in bls_models/spec.py (and `make configs`), so a config can always be traced to a measurement.
@@ -32,3 +33,17 @@ def test_committed_config_is_the_winner(name):
     if model.backend == "onnxruntime":
         assert model.batching.max_queue_delay_us == winner["max_queue_delay_us"]
         assert list(model.batching.preferred_batch_sizes) == winner["preferred_batch_sizes"]
+
+
+ORT_RESULTS = RESULTS.with_name("ort_options.json")
+
+
+@pytest.mark.skipif(not ORT_RESULTS.exists(), reason="no committed ONNX Runtime options run")
+def test_committed_onnx_runtime_parameters_are_the_measured_winner():
+    meta = json.loads(ORT_RESULTS.read_text())
+    assert not meta["quick"], "bench/results/ort_options.json holds a smoke run, not a measurement"
+    winner = meta["data"]
+    assert winner["parameters"] == S.ORT_CPU_PARAMETERS, winner["winner"]
+    assert not winner["optimization"], "the winner sets a graph optimisation level the spec lacks"
+    for model in S.ONNX_MODELS:
+        assert model.parameters == S.ORT_CPU_PARAMETERS, model.name
