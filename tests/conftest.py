@@ -99,6 +99,25 @@ def server(repository, fault_repository, tmp_path_factory):
     assert not leftover, f"processes of the server's group outlived stop(); log {log}"
 
 
+@pytest.fixture
+def serve(repository, tmp_path):
+    """``support.spawn_serve`` whose launchers, servers and stubs are all killed at teardown,
+    whatever the test did (a launcher that ignored its SIGINT once outlived the suite by an
+    hour)."""
+    from tests.live import support
+
+    started = []
+
+    def spawn(*extra: str, **kwargs):
+        launcher, ports = support.spawn_serve(repository, tmp_path, *extra, **kwargs)
+        started.append(launcher)
+        return launcher, ports
+
+    yield spawn
+    for launcher in started:
+        support.kill_serve(launcher)
+
+
 @pytest.fixture(scope="session")
 def http_client(server):
     import tritonclient.http as httpclient

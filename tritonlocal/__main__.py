@@ -80,8 +80,12 @@ def serve(args: argparse.Namespace) -> int:
     )
     server = TritonServer(options)
     stop = threading.Event()
-    # SIGTERM (e.g. from a process manager) takes the same clean path as Ctrl-C.
-    signal.signal(signal.SIGTERM, _interrupt)
+    # SIGTERM (e.g. from a process manager) takes the same clean path as Ctrl-C. SIGINT gets its
+    # handler explicitly: a process started in the background by a non-interactive shell
+    # (`make serve &`, nohup, some CI wrappers) inherits SIGINT as ignored, and Python then
+    # installs no KeyboardInterrupt handler, so Ctrl-C or `kill -INT` would do nothing.
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, _interrupt)
     try:
         print(f"starting tritonserver on {args.host} (HTTP {args.http_port}, gRPC "
               f"{args.grpc_port}, metrics {args.metrics_port}) ...", flush=True)

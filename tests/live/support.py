@@ -5,6 +5,9 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import signal
+import subprocess
+import sys
 import time
 import urllib.request
 from dataclasses import dataclass
@@ -17,9 +20,11 @@ from tritonclient.utils import InferenceServerException
 
 from bls_models import spec as S
 from bls_models.metrics import FLUSH_SECONDS
-from modelgen import configs, export, nets
+from modelgen import configs, export, nets, variants
 from tritonlocal import ServerOptions
 from tritonlocal.runtime import free_ports
+
+ROOT = Path(__file__).resolve().parents[2]
 
 # Triton error code -> what each protocol's client reports.
 STATUS = {
@@ -181,3 +186,44 @@ async def drive(url: str, model: str, count: int, concurrency: int, data: np.nda
         return await asyncio.gather(*(one(i) for i in range(count)))
     finally:
         await client.close()
+
+
+# A python model beside an ONNX one: only the python backend's models have stub processes.
+PYTHON_MODEL = variants.fault_model("fault_preprocess", S.PREPROCESS, instances=2)
+
+
+def mixed_repository(target: Path, repository: Path) -> Path:
+    """``preprocess`` (onnxruntime, inside tritonserver) and ``PYTHON_MODEL`` (one stub per
+    instance)."""
+    repo = make_repository(target, repository, S.PREPROCESS)
+    variants.write(repo, PYTHON_MODEL, variants.FAULT_MODEL)
+    return repo
+
+
+def spawn_serve(repository: Path, tmp_path: Path, *extra: str, sigint_ignored: bool = False):
+    """`python -m tritonlocal serve` (what `make serve` runs) over ``mixed_repository``; with
+    ``sigint_ignored``, started as a non-interactive shell starts a background job (`cmd &`):
+    with SIGINT ignored."""
+    repo = mixed_repository(tmp_path / "repo", repository)
+    ports = free_ports(3)
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "tritonlocal", "serve", "--quiet", "--model-repository", str(repo),
+         "--http-port", str(ports[0]), "--grpc-port", str(ports[1]),
+         "--metrics-port", str(ports[2]), "--log-file", str(tmp_path / "server.log"), *extra],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        preexec_fn=(lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if sigint_ignored
+        else None)
+    return launcher, ports
+
+
+def kill_serve(launcher: subprocess.Popen) -> None:
+    """SIGKILL a `tritonlocal serve` process and its server's whole process group."""
+    servers = subprocess.run(["pgrep", "-P", str(launcher.pid), "tritonserver"],
+                             capture_output=True, text=True).stdout.split()
+    launcher.kill()
+    launcher.wait()
+    for pid in servers:
+        try:
+            os.killpg(int(pid), signal.SIGKILL)
+        except ProcessLookupError:
+            pass

@@ -17,12 +17,10 @@ import pytest
 import tritonclient.grpc as grpcclient
 
 from bls_models import spec as S
-from modelgen import variants
-from tests.live.support import make_repository
+from tests.live.support import PYTHON_MODEL, make_repository, mixed_repository
 from tests.live.support import server_options as options
 from tritonlocal import LauncherError, TritonServer
 from tritonlocal.launcher import kill_orphaned_stubs, remove_stale_regions, shm_regions
-from tritonlocal.runtime import free_ports
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -88,18 +86,6 @@ def test_not_ready_in_time_is_reported_and_the_server_is_stopped(repository, tmp
     assert launcher.process is None and not launcher.is_running()
 
 
-# A python model beside an ONNX one: only the python backend's models have stub processes.
-PYTHON_MODEL = variants.fault_model("fault_preprocess", S.PREPROCESS, instances=2)
-
-
-def mixed_repository(target: Path, repository: Path) -> Path:
-    """``preprocess`` (onnxruntime, inside tritonserver) and ``PYTHON_MODEL`` (one stub per
-    instance)."""
-    repo = make_repository(target, repository, S.PREPROCESS)
-    variants.write(repo, PYTHON_MODEL, variants.FAULT_MODEL)
-    return repo
-
-
 def test_stop_takes_every_stub_with_it(repository, tmp_path):
     python_model = PYTHON_MODEL
     repo = mixed_repository(tmp_path / "repo", repository)
@@ -146,20 +132,8 @@ def test_a_launcher_start_kills_stubs_whose_server_is_gone(tmp_path):
             process.wait()
 
 
-def spawn_serve(repository: Path, tmp_path: Path, *extra: str):
-    """`python -m tritonlocal serve` (what `make serve` runs) over ``mixed_repository``."""
-    repo = mixed_repository(tmp_path / "repo", repository)
-    ports = free_ports(3)
-    launcher = subprocess.Popen(
-        [sys.executable, "-m", "tritonlocal", "serve", "--quiet", "--model-repository", str(repo),
-         "--http-port", str(ports[0]), "--grpc-port", str(ports[1]),
-         "--metrics-port", str(ports[2]), "--log-file", str(tmp_path / "server.log"), *extra],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    return launcher, ports
-
-
-def test_the_server_dies_with_its_launcher(repository, tmp_path):
-    launcher, _ = spawn_serve(repository, tmp_path)
+def test_the_server_dies_with_its_launcher(serve):
+    launcher, _ = serve()
     try:
         for line in launcher.stdout:
             if "is ready" in line:
@@ -179,8 +153,9 @@ def test_the_server_dies_with_its_launcher(repository, tmp_path):
         launcher.kill()
 
 
-def test_ctrl_c_stops_serve_cleanly(repository, tmp_path):
-    launcher, (http, grpc, metrics) = spawn_serve(repository, tmp_path)
+@pytest.mark.parametrize("sigint_ignored", [False, True], ids=["foreground", "sigint-ignored"])
+def test_ctrl_c_stops_serve_cleanly(serve, sigint_ignored):
+    launcher, (http, grpc, metrics) = serve(sigint_ignored=sigint_ignored)
     lines = []
     for line in launcher.stdout:
         lines.append(line)

@@ -27,8 +27,7 @@ import tritonclient.grpc as grpcclient
 
 from bench.clients import closed_loop
 from bls_models import spec as S
-from tests.live.support import image, server_options, timed_infer
-from tests.live.test_launcher import PYTHON_MODEL, spawn_serve
+from tests.live.support import PYTHON_MODEL, image, server_options, timed_infer
 from tritonlocal import TritonServer
 from tritonlocal.launcher import Supervisor
 from tritonlocal.liveness import process_stat, server_pids, stubs_of
@@ -196,9 +195,9 @@ def test_a_crash_loop_makes_the_supervisor_give_up(fresh):
     assert not fresh.is_running()
 
 
-def test_make_serve_restarts_the_server_when_a_stub_dies(repository, tmp_path):
+def test_make_serve_restarts_the_server_when_a_stub_dies(serve):
     """The same recovery through `python -m tritonlocal serve` (what `make serve` runs)."""
-    launcher, ports = spawn_serve(repository, tmp_path, "--check-interval", "1")
+    launcher, ports = serve("--check-interval", "1")
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(iter(launcher.stdout.readline, "")),
                               daemon=True)
