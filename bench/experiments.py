@@ -28,6 +28,7 @@ LOGITS_TAG_PIPELINE = "tag_pipeline_logits"  # tag_pipeline over `tagger`: reduc
 # committed 2 x 512 in flight and a queue of 4 096.
 SHEDDING_PIPELINE = "pipeline_shed"
 ACCOUNTING_CONCURRENCY = 16  # both cores busy for every way of serving the pipeline
+SERVER_ROW = "tritonserver, with the ONNX models (C++ onnxruntime backend)"
 
 
 @dataclass
@@ -215,12 +216,15 @@ def cpu_accounting(ctx: Context, result: Result, local: clients.InProcess,
                     key=lambda k: -max(v.get(k, 0.0) for v in columns.values()))
     lines = ["", f"CPU per request by process, each way driven at concurrency {concurrency} for "
              f"{seconds:.0f} s (in-process: 4 threads), from /proc of every process (perf_analyzer "
-             "included; ms of CPU per completed request):", "",
+             "included; ms of CPU per completed request). The ONNX models have no process of "
+             "their own: Triton's C++ onnxruntime backend runs them inside tritonserver, whose "
+             "row includes them:", "",
              "| process | in-process | BLS `pipeline` | `pipeline_ensemble` |", "|---|---|---|---|"]
     for label in labels:
         cells = [columns[k].get(label, 0.0) for k in ("in-process", "bls", "ensemble")]
         if max(cells) >= 0.05:
-            lines.append(f"| {label} | " + " | ".join(f"{c:.2f}" if c else "–" for c in cells) + " |")
+            name = SERVER_ROW if label == "tritonserver" else label
+            lines.append(f"| {name} | " + " | ".join(f"{c:.2f}" if c else "–" for c in cells) + " |")
     lines.append("| **total** | " + " | ".join(f"**{totals[k]:.2f}**"
                                                for k in ("in-process", "bls", "ensemble")) + " |")
     lines.append("| throughput in this period (req/s) | " + " | ".join(
