@@ -35,19 +35,30 @@ def main(argv: list[str] | None = None) -> int:
     if not perf.PERF_ANALYZER.exists():
         print("perf_analyzer is not installed: run `make venv`", file=sys.stderr)
         return 2
+    # The server's log outlives the run (.triton/, git-ignored): a server that dies mid-run
+    # must be explainable afterwards.
+    log = ROOT / ".triton" / f"bench-tritonserver-{time.strftime('%Y%m%d-%H%M%S')}.log"
     with tempfile.TemporaryDirectory(prefix="bench-") as tmp:
         extra = experiments.build_variants(Path(tmp) / "variants", args.model_repository)
         http, grpc, metrics = free_ports(3)
         options = ServerOptions(args.model_repository, http_port=http, grpc_port=grpc,
-                                metrics_port=metrics, log_file=Path(tmp) / "tritonserver.log",
+                                metrics_port=metrics, log_file=log,
                                 extra_args=[f"--model-repository={extra}"])
         with TritonServer(options) as server:
             version = server.metadata().get("version", "?")
             context = experiments.Context(server, args.model_repository, settings)
+            print(f"server log: {log}", flush=True)
             for name in names:
                 started = time.monotonic()
                 print(f"== {name} ...", flush=True)
-                result = experiments.EXPERIMENTS[name](context)
+                try:
+                    result = experiments.EXPERIMENTS[name](context)
+                except Exception:
+                    if not server.is_running():
+                        print(f"tritonserver exited during '{name}' (code "
+                              f"{server.process.returncode}); log {log}:\n{server.log_tail(60)}",
+                              file=sys.stderr)
+                    raise
                 report.write(result, args.out, version, settings)
                 print("\n".join(result.summary), flush=True)
                 print(f"== {name}: {time.monotonic() - started:.0f} s", flush=True)
