@@ -30,7 +30,6 @@ import collections
 import csv
 import json
 import sys
-import tempfile
 import time
 import urllib.request
 from dataclasses import asdict, dataclass, field
@@ -274,12 +273,14 @@ def main(argv: list[str] | None = None) -> int:
         from tritonlocal import ServerOptions, TritonServer
         from tritonlocal.runtime import free_ports
 
-        with tempfile.TemporaryDirectory(prefix="soak-") as tmp:
-            http, grpc, metrics = free_ports(3)
-            options = ServerOptions(args.model_repository, http_port=http, grpc_port=grpc,
-                                    metrics_port=metrics, log_file=Path(tmp) / "tritonserver.log")
-            with TritonServer(options) as server:
-                soak = go(server.grpc_url, server.http_url, server.process.pid)
+        # The server's log is kept (.triton/, git-ignored) to explain a run that was not clean.
+        log = ROOT / ".triton" / f"soak-tritonserver-{time.strftime('%Y%m%d-%H%M%S')}.log"
+        http, grpc, metrics = free_ports(3)
+        options = ServerOptions(args.model_repository, http_port=http, grpc_port=grpc,
+                                metrics_port=metrics, log_file=log)
+        with TritonServer(options) as server:
+            print(f"server log: {log}", flush=True)
+            soak = go(server.grpc_url, server.http_url, server.process.pid)
     path = report(soak, args.out, command.strip())
     print(path.read_text())
     return 0 if soak.clean else 1
