@@ -150,11 +150,17 @@ def drive(server: TritonServer, model: str, concurrency: int, seconds: float,
           input_data: str = "zero", during=None, warmup: float = 5.0) -> Load:
     """Drive ``model`` with perf_analyzer at ``concurrency``; after ``warmup`` seconds, account
     for ``seconds`` of it (CPU of every process, Triton's per-model statistics). ``during()``, if
-    given, runs in the measured period instead of a sleep (py-spy samplers wait there)."""
+    given, runs in the measured period instead of a sleep (py-spy samplers wait there).
+
+    perf_analyzer's one window ends ``TAIL`` seconds after the accounted period and it is left
+    to finish on its own: killing it with requests in flight makes the server cancel them, and
+    a gRPC cancellation racing a response can crash Triton 2.51 (a full benchmark run lost its
+    server right after such a kill; upstream server#7368, #8034)."""
+    tail = 5.0
     load = subprocess.Popen(
         [str(perf.PERF_ANALYZER), "-m", model, "-i", "grpc", "-u", server.grpc_url,
          "--input-data", input_data, "--concurrency-range", f"{concurrency}:{concurrency}",
-         "--measurement-interval", str(int(1000 * (seconds + warmup + 30))),
+         "--measurement-interval", str(int(1000 * (seconds + warmup + tail))),
          "--stability-percentage", "1000", "--max-trials", "1"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
@@ -170,8 +176,11 @@ def drive(server: TritonServer, model: str, concurrency: int, seconds: float,
         cpu_after = cpu_seconds(server, {"perf_analyzer (client)": load.pid})
         elapsed = time.monotonic() - started
     finally:
-        load.terminate()
-        load.communicate(timeout=30)
+        try:
+            load.communicate(timeout=tail + 60)
+        except subprocess.TimeoutExpired:  # should not happen; then there is no choice
+            load.terminate()
+            load.communicate(timeout=30)
     used = {k: cpu_after[k] - cpu_before.get(k, 0.0) for k in cpu_after}
     requests = (after.get(model, {}).get("count", 0) - before.get(model, {}).get("count", 0))
     return Load({k: v for k, v in used.items() if v > 0}, requests, elapsed, before, after)
