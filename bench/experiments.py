@@ -390,7 +390,8 @@ def large_output(ctx: Context) -> Result:
         result.summary.append(
             f"- Reducing in the graph instead of in the orchestrator: p50 {tag_logits:.1f} → "
             f"{tag:.1f} ms (× {tag / tag_logits:.2f}): the 28.7 MB per sequence is no longer "
-            "copied out of the tagger's stub, through tritonserver, into the orchestrator's.")
+            "copied out of tritonserver (where the onnxruntime backend computes it) into the "
+            "orchestrator's shared-memory region.")
     result.plot = {"kind": "bars", "title": "p50 latency at concurrency 1 (ms)"}
     return result
 
