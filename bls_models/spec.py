@@ -100,11 +100,13 @@ TAG_LOGITS = TensorSpec("LOGITS", "TYPE_FP32", (TAGGER_SEQ_LEN, TAGGER_VOCAB))
 TAGS = TensorSpec("TAGS", "TYPE_INT64", (TAGGER_SEQ_LEN,))
 TAG_PROBS = TensorSpec("TAG_PROBS", "TYPE_FP32", (TAGGER_SEQ_LEN,))
 
-# Instance counts, batching delays and preferred sizes of preprocess, classifier, embedder and
-# pipeline are the winners of `make bench-tuning` (bench/results/REPORT.md, "Tuning"; the sweep
-# was measured on the 2-core CPU host, 2026-11-22). tests/unit/test_tuned_values.py keeps
-# them equal to bench/results/tuning.json.
-_CNN_BATCHING = BatchingSpec(preferred_batch_sizes=(4, 8), max_queue_delay_us=100)
+# Instance counts, batching delays and preferred sizes of preprocess, classifier and embedder
+# are the winners of `make bench-tuning` (bench/results/REPORT.md, "Tuning"; measured on the
+# 2-core CPU host with Triton's C++ onnxruntime backend, 2026-11-23); `pipeline` had no winner
+# within its latency budget and keeps 2 instances. tests/unit/test_tuned_values.py keeps them
+# equal to bench/results/tuning.json.
+_LARGE_BATCHES = BatchingSpec(preferred_batch_sizes=(8, 16), max_queue_delay_us=100)
+_SMALL_BATCHES = BatchingSpec(preferred_batch_sizes=(4, 8), max_queue_delay_us=100)
 
 # Parameters of Triton's onnxruntime backend for CPU instances (docs/configuration.md; measured
 # by `make bench-ort_options`). One intra-op and one inter-op thread per ONNX Runtime session:
@@ -120,7 +122,7 @@ PREPROCESS = ModelSpec(
     inputs=(IMAGE,),
     outputs=(PIXELS,),
     max_batch_size=16,
-    batching=_CNN_BATCHING,
+    batching=_LARGE_BATCHES,
     description="UINT8 HWC image -> ImageNet-normalised FP32 CHW pixels",
 )
 CLASSIFIER = ModelSpec(
@@ -130,9 +132,8 @@ CLASSIFIER = ModelSpec(
     inputs=(PIXELS,),
     outputs=(CLASS_LOGITS,),
     max_batch_size=16,
-    batching=_CNN_BATCHING,
-    # Tuned: 4 instances of 1 ONNX Runtime thread each beat 2 x 2 threads (120 vs 95 req/s
-    # within the latency budget): the convolutions scale worse across threads than requests do.
+    batching=_LARGE_BATCHES,
+    # Tuned: 4 instances (one ONNX Runtime thread each, ORT_CPU_PARAMETERS).
     instance_count=4,
     description="ResNet-style CNN, 1000 class logits",
 )
@@ -143,7 +144,8 @@ EMBEDDER = ModelSpec(
     inputs=(PIXELS,),
     outputs=(EMBEDDING,),
     max_batch_size=16,
-    batching=_CNN_BATCHING,
+    batching=_SMALL_BATCHES,
+    instance_count=4,
     description="Depthwise-separable CNN, L2-normalised 256-d embedding",
 )
 TAGGER = ModelSpec(
@@ -178,8 +180,9 @@ POSTPROCESS = ModelSpec(
     inputs=(CLASS_LOGITS,),
     outputs=(CLASS_IDS, CLASS_PROBS),
     max_batch_size=16,
-    # Not tuned (only the ensemble baseline uses it): the same batching as its producer.
-    batching=_CNN_BATCHING,
+    # Not tuned (only the ensemble baseline uses it): the same batching as its producer, the
+    # classifier.
+    batching=_LARGE_BATCHES,
     description="softmax + top-5 over class logits (the ensemble's last step)",
 )
 
