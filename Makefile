@@ -69,7 +69,7 @@ test: models backend ## Run the whole test suite (unit + live server) — what C
 test-unit: $(STAMP) ## Only the tests that need no server
 	$(PY) -m pytest -m "not live" $(PYTEST_ARGS)
 
-bench: models backend ## Run every benchmark (perf_analyzer; ~90 min, 50 of it tuning) -> bench/results/REPORT.md
+bench: models backend ## Run every benchmark (perf_analyzer; ~70 min, 27 of it tuning) -> bench/results/REPORT.md
 	$(PY) -m bench
 
 soak: models backend ## Soak both orchestrators (50 000 requests at concurrency 256; SOAK_ARGS) -> bench/results/soak.md
