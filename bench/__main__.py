@@ -15,8 +15,7 @@ import time
 from pathlib import Path
 
 from bench import experiments, perf, report
-from tritonlocal import ServerOptions, TritonServer
-from tritonlocal.runtime import free_ports
+from tritonlocal import TritonServer, on_free_ports
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -40,9 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     log = ROOT / ".triton" / f"bench-tritonserver-{time.strftime('%Y%m%d-%H%M%S')}.log"
     with tempfile.TemporaryDirectory(prefix="bench-") as tmp:
         extra = experiments.build_variants(Path(tmp) / "variants", args.model_repository)
-        http, grpc, metrics = free_ports(3)
-        options = ServerOptions(args.model_repository, http_port=http, grpc_port=grpc,
-                                metrics_port=metrics, log_file=log,
+        options = on_free_ports(args.model_repository, log,
                                 extra_args=[f"--model-repository={extra}"])
         with TritonServer(options) as server:
             version = server.metadata().get("version", "?")

@@ -19,6 +19,7 @@ from bench.perf import Point
 from bls_models import pipelines
 from bls_models import spec as S
 from modelgen import export, nets, variants
+from tritonlocal import load
 
 SHM_OUTPUT_BYTES = 4 * 512 * 14041 + 1024  # one tagger output (28.7 MB) for perf_analyzer's shm
 LONG_DEADLINE_PIPELINE = "pipeline_deadline_120s"
@@ -492,8 +493,7 @@ def _measure_stage(ctx: Context, result: Result, stage: str, base: S.ModelSpec,
     p50 the budget is relative to)."""
     import tempfile
 
-    from tritonlocal import ServerOptions, TritonServer
-    from tritonlocal.runtime import free_ports
+    from tritonlocal import TritonServer, on_free_ports
 
     named = [dataclasses.replace(spec, name=f"{base.name}__{stage}{n}") for n, spec in enumerate(specs)]
     candidates, unloaded = [], None
@@ -501,10 +501,7 @@ def _measure_stage(ctx: Context, result: Result, stage: str, base: S.ModelSpec,
         repo = Path(tmp) / "repo"
         write(repo, named + ([dataclasses.replace(base, name=f"{base.name}__committed")]
                              if baseline else []))
-        http, grpc, metrics = free_ports(3)
-        options = ServerOptions(repo, http_port=http, grpc_port=grpc, metrics_port=metrics,
-                                log_file=Path(tmp) / "tritonserver.log")
-        with TritonServer(options) as server:
+        with TritonServer(on_free_ports(repo, Path(tmp) / "tritonserver.log")) as server:
             if baseline:
                 run = perf.run(f"{base.name}__committed", server.grpc_url, [1], ctx.settings)
                 result.add_run(f"{base.name} committed (unloaded)", run, model=base.name,
@@ -660,7 +657,7 @@ def overload(ctx: Context) -> Result:
         "| refused p50 / p99 (ms) | late | other errors |", "|---|---|---|---|---|---|---|---|"]
     for name, spec in models.items():
         for clients_count in levels:
-            answers = clients.closed_loop_for(ctx.server.grpc_url, name, clients_count, data,
+            answers = load.closed_loop_for(ctx.server.grpc_url, name, clients_count, data,
                                               seconds, retry_pause=backoff)
             wall = max(a.finished for a in answers) - min(a.started for a in answers)
             ok = [a.seconds for a in answers if a.code is None]
@@ -732,8 +729,7 @@ def ort_options(ctx: Context) -> Result:
     import tempfile
 
     from modelgen import configs
-    from tritonlocal import ServerOptions, TritonServer
-    from tritonlocal.runtime import free_ports
+    from tritonlocal import TritonServer, on_free_ports
 
     result = Result("ort_options", "ONNX Runtime options of Triton's onnxruntime backend (CPU)")
     names = (["ORT defaults", "threads 1/1"] if ctx.quick else list(ORT_CANDIDATES))
@@ -752,10 +748,7 @@ def ort_options(ctx: Context) -> Result:
             (repo / S.PIPELINE_ENSEMBLE.name / "1").mkdir(parents=True)
             (repo / S.PIPELINE_ENSEMBLE.name / "config.pbtxt").write_text(
                 configs.render(S.PIPELINE_ENSEMBLE))
-            http, grpc, metrics = free_ports(3)
-            options = ServerOptions(repo, http_port=http, grpc_port=grpc, metrics_port=metrics,
-                                    log_file=Path(tmp) / "tritonserver.log")
-            with TritonServer(options) as server:
+            with TritonServer(on_free_ports(repo, Path(tmp) / "tritonserver.log")) as server:
                 for model in ("pipeline", "pipeline_ensemble"):
                     run = perf.run(model, server.grpc_url, levels, ctx.settings)
                     points = result.add_run(f"{model}: {name}", run, model=model, candidate=name)

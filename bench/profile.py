@@ -26,9 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench import perf
-from tritonlocal import ServerOptions, TritonServer
+from tritonlocal import TritonServer, on_free_ports, procs
 from tritonlocal.launcher import group_stubs
-from tritonlocal.runtime import free_ports
 
 ROOT = Path(__file__).resolve().parents[1]
 PY_SPY = Path(sys.executable).parent / "py-spy"
@@ -85,19 +84,10 @@ def server_processes(server_pid: int) -> dict[str, list[int]]:
 def cpu_seconds(server: TritonServer, others: dict[str, int]) -> dict[str, float]:
     """CPU time (user + system, seconds) so far of the server, of each model's stubs (summed per
     model) and of ``others`` (label -> pid, e.g. the load generator)."""
-    tick = os.sysconf("SC_CLK_TCK")
-
-    def of(pid: int) -> float:
-        try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            return 0.0
-        return (int(fields[11]) + int(fields[12])) / tick  # utime, stime
-
-    out = {label: sum(of(pid) for pid in pids)
+    out = {label: sum(procs.cpu_seconds(pid) for pid in pids)
            for label, pids in server_processes(server.process.pid).items()}
     for label, pid in others.items():
-        out[label] = out.get(label, 0.0) + of(pid)
+        out[label] = out.get(label, 0.0) + procs.cpu_seconds(pid)
     return out
 
 
@@ -206,10 +196,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     args.out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="profile-") as tmp:
-        http, grpc, metrics = free_ports(3)
-        options = ServerOptions(args.model_repository, http_port=http, grpc_port=grpc,
-                                metrics_port=metrics, log_file=Path(tmp) / "tritonserver.log")
-        with TritonServer(options) as server:
+        with TritonServer(on_free_ports(args.model_repository,
+                                        Path(tmp) / "tritonserver.log")) as server:
             samplers = {}
 
             def sample() -> None:

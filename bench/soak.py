@@ -40,6 +40,7 @@ import numpy as np
 from bench import profile
 from bls_models import spec as S
 from modelgen import nets
+from tritonlocal import procs
 
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = ("pipeline", "tag_pipeline")
@@ -74,18 +75,7 @@ class Soak:
 # -- memory of the server's processes ----------------------------------------------------------------
 def process_memory(server_pid: int) -> dict[str, float]:
     """MiB resident (RSS) of tritonserver and of each model's stubs (summed), from /proc."""
-
-    def rss(pid: int) -> float:
-        try:
-            with open(f"/proc/{pid}/status") as handle:
-                for line in handle:
-                    if line.startswith("VmRSS:"):
-                        return int(line.split()[1]) / 1024
-        except OSError:
-            pass
-        return 0.0
-
-    return {label: sum(rss(pid) for pid in pids)
+    return {label: sum(procs.memory_mib(pid).get("VmRSS", 0.0) for pid in pids)
             for label, pids in profile.server_processes(server_pid).items()}
 
 
@@ -270,15 +260,11 @@ def main(argv: list[str] | None = None) -> int:
             parser.error("--url needs --http-url (Triton's request counts come from HTTP)")
         soak = go(args.url, args.http_url, None)
     else:
-        from tritonlocal import ServerOptions, TritonServer
-        from tritonlocal.runtime import free_ports
+        from tritonlocal import TritonServer, on_free_ports
 
         # The server's log is kept (.triton/, git-ignored) to explain a run that was not clean.
         log = ROOT / ".triton" / f"soak-tritonserver-{time.strftime('%Y%m%d-%H%M%S')}.log"
-        http, grpc, metrics = free_ports(3)
-        options = ServerOptions(args.model_repository, http_port=http, grpc_port=grpc,
-                                metrics_port=metrics, log_file=log)
-        with TritonServer(options) as server:
+        with TritonServer(on_free_ports(args.model_repository, log)) as server:
             print(f"server log: {log}", flush=True)
             soak = go(server.grpc_url, server.http_url, server.process.pid)
     path = report(soak, args.out, command.strip())

@@ -13,6 +13,8 @@ the runtime's pb_utils lock.
 
 from __future__ import annotations
 
+from bls_models.errors import Code, Kind
+
 FLUSH_SECONDS = 0.2  # how stale a scraped counter or gauge may be
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
@@ -42,8 +44,30 @@ FAMILIES: dict[str, tuple[str, str]] = {
 }
 
 
+# The codes a request can be answered with: SUCCESS, each error code, or a response that could
+# not be sent.
+REQUEST_CODES = ("SUCCESS", *(code.value for code in Code), "SEND_FAILED")
+
+
+def known_series(stages) -> list[tuple[str, dict[str, str]]]:
+    """Every (family, labels) an orchestrator with these stages can produce. They are created at
+    load, at 0, as Prometheus expects of a known label set: ``rate()`` and dashboards then see
+    a series before its first event, not only after it."""
+    per_stage = ("bls_stage_latency_seconds", "bls_deadline_exceeded_total",
+                 "bls_abandoned_subrequests_total", "bls_abandoned_subrequests_completed_total",
+                 "bls_cancelled_requests_total")
+    series = [(family, {}) for family in ("bls_request_latency_seconds", "bls_inflight_requests",
+                                          "bls_inflight_subrequests")]
+    series += [("bls_requests_total", {"code": code}) for code in REQUEST_CODES]
+    for stage in stages:
+        series += [(family, {"stage": stage}) for family in per_stage]
+        series += [("bls_subrequest_errors_total", {"stage": stage, "kind": kind.value})
+                   for kind in Kind]
+    return series
+
+
 class Metrics:
-    def __init__(self, pb_utils, model: str) -> None:
+    def __init__(self, pb_utils, model: str, stages=()) -> None:
         self._pb = pb_utils
         self._model = model
         kinds = {"COUNTER": pb_utils.MetricFamily.COUNTER, "GAUGE": pb_utils.MetricFamily.GAUGE,
@@ -52,6 +76,8 @@ class Metrics:
                           for name, (kind, text) in FAMILIES.items()}
         self._metrics: dict[tuple, object] = {}
         self._pending: dict[tuple, float] = {}  # counter/gauge increments not yet published
+        for family, labels in known_series(stages):
+            self._metric(family, **labels)
 
     def _metric(self, family: str, **labels: str):
         key = (family, *sorted(labels.items()))

@@ -14,11 +14,17 @@ from bls_models import spec as S
 from bls_models.params import Stage
 
 
-def load_config(path: Path):
+def parse_config(text: str):
+    """A config.pbtxt's text as Triton's model config loader reads it: protobuf text format into
+    ``ModelConfig`` (an unknown field or a bad enum raises). The project's one pbtxt parser."""
     from google.protobuf import text_format
     from tritonclient.grpc import model_config_pb2
 
-    return text_format.Parse(path.read_text(), model_config_pb2.ModelConfig())
+    return text_format.Parse(text, model_config_pb2.ModelConfig())
+
+
+def load_config(path: Path):
+    return parse_config(Path(path).read_text())
 
 
 def resolve_stages(repositories: list[Path], stages: dict[str, Stage],

@@ -26,6 +26,14 @@ NUM_CLASSES = 1000
 EMBEDDING_DIM = 256
 
 
+# Triton model-config data type -> numpy dtype name: the project's one table (the runtime, the
+# exporter's and the tests' checks derive theirs from it; spec stays free of numpy).
+DTYPES: dict[str, str] = {
+    "TYPE_BOOL": "bool", "TYPE_UINT8": "uint8", "TYPE_INT32": "int32", "TYPE_INT64": "int64",
+    "TYPE_FP16": "float16", "TYPE_FP32": "float32", "TYPE_STRING": "object",
+}
+
+
 @dataclass(frozen=True)
 class TensorSpec:
     name: str

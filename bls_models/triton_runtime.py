@@ -61,8 +61,7 @@ from bls_models.errors import (Cancelled, Code, DeadlineExceeded, Kind, Pipeline
 from bls_models.metrics import FLUSH_SECONDS, Metrics
 from bls_models.pipelines import Reduce
 
-_NUMPY = {"TYPE_UINT8": np.uint8, "TYPE_INT64": np.int64, "TYPE_FP32": np.float32,
-          "TYPE_INT32": np.int32, "TYPE_FP16": np.float16, "TYPE_BOOL": np.bool_}
+_NUMPY = {name: np.dtype(dtype) for name, dtype in S.DTYPES.items()}
 SHUTDOWN_DRAIN_SECONDS = 10.0
 
 
@@ -121,6 +120,9 @@ class Job:
     received: float = field(default_factory=time.monotonic)
     # Stage outputs kept on the GPU for this request; released when it is answered.
     device_tensors: list[DeviceTensor] = field(default_factory=list)
+    # Per-request events already counted: concurrent branches both see a cancellation or a
+    # passed deadline, and each counter counts once per request and event.
+    counted: set[str] = field(default_factory=set)
 
 
 @dataclass
@@ -170,7 +172,7 @@ class Orchestrator:
         self.slots = threading.BoundedSemaphore(self.config.max_inflight_requests)
         self.subrequests = concurrent.futures.ThreadPoolExecutor(
             self.config.subrequest_threads, thread_name_prefix=f"{self.model}-subrequest")
-        self.metrics = Metrics(pb_utils, self.model)
+        self.metrics = Metrics(pb_utils, self.model, stages=list(self.config.stages))
         self.tasks: set[asyncio.Task] = set()
         self.pending = 0  # requests taken by execute and not yet answered (under the lock)
         self.loop = asyncio.new_event_loop()
@@ -304,13 +306,13 @@ class Orchestrator:
         model = self.config.stage(stage).model
         with self.lock:
             cancelled = job.sender is not None and job.sender.is_cancelled()
-            if cancelled:
+            if cancelled and self._first(job, "cancelled"):
                 self.metrics.increment("bls_cancelled_requests_total", stage=stage)
         if cancelled:
             raise Cancelled(stage)
         limit, what, limit_ms = job.deadline.stage_limit(self.config.stage(stage).timeout_ms)
         if limit <= 0:
-            self._count_deadline(stage)
+            self._count_deadline(job, stage)
             raise DeadlineExceeded(stage, model, limit_ms, what)
 
         # Pass-through outputs stay on the GPU with gpu_tensors on; everything else comes back in
@@ -346,11 +348,11 @@ class Orchestrator:
                 with self.lock:
                     self.metrics.increment("bls_abandoned_subrequests_total", stage=stage)
                 future.add_done_callback(lambda done: self._post(self._abandoned_done, stage, done))
-            self._count_deadline(stage)
+            self._count_deadline(job, stage)
             raise DeadlineExceeded(stage, model, limit_ms, what)
         outcome: Outcome = waiter.result()
         if outcome.expired:
-            self._count_deadline(stage)
+            self._count_deadline(job, stage)
             raise DeadlineExceeded(stage, model, limit_ms, what)
         job.device_tensors += outcome.device_tensors()  # released when the request is answered
         if outcome.error is not None:
@@ -424,9 +426,19 @@ class Orchestrator:
         with self.lock:
             self.metrics.increment(family, stage=stage, **labels)
 
-    def _count_deadline(self, stage: str) -> None:
+    @staticmethod
+    def _first(job: Job, event: str) -> bool:
+        """Whether ``event`` happens to ``job`` for the first time (under the lock)."""
+        first = event not in job.counted
+        job.counted.add(event)
+        return first
+
+    def _count_deadline(self, job: Job, stage: str) -> None:
+        """A sub-request failed on the deadline: counted per sub-request (the stage's errors),
+        and the request's deadline once per request, at the first stage that hit it."""
         with self.lock:
-            self.metrics.increment("bls_deadline_exceeded_total", stage=stage)
+            if self._first(job, "deadline"):
+                self.metrics.increment("bls_deadline_exceeded_total", stage=stage)
             self.metrics.increment("bls_subrequest_errors_total", stage=stage,
                                    kind=Kind.DEADLINE.value)
 

@@ -16,6 +16,7 @@ from pathlib import Path
 from google.protobuf import json_format, text_format
 from tritonclient.grpc import model_config_pb2
 
+from bls_models import repository
 from bls_models import spec as S
 
 HEADER = "# Generated from bls_models/spec.py by `python -m modelgen.configs`; do not edit.\n"
@@ -77,10 +78,7 @@ def render(model: S.ModelSpec) -> str:
     return HEADER + text_format.MessageToString(to_proto(config_dict(model)))
 
 
-def parse_pbtxt(text: str) -> model_config_pb2.ModelConfig:
-    """Parse a config.pbtxt exactly as Triton's model config loader does (protobuf text format)."""
-    return text_format.Parse(text, model_config_pb2.ModelConfig())
-
+parse_pbtxt = repository.parse_config  # the one parser, shared with the orchestrators
 
 def write_all(repository: Path, check: bool = False) -> list[str]:
     """Write (or, with ``check``, compare) every config; return the names that differ."""

@@ -22,7 +22,7 @@ EXTERNAL = os.environ.get("TRITON_EXTERNAL_SERVER", "")
 # Need the local launcher (their own servers, the wheel's binary), a loopback-only bind, or
 # perf_analyzer, none of which the container's server has: skipped there.
 LOCAL_ONLY = ("test_launcher.py", "test_recovery.py", "test_security.py", "test_perf_analyzer.py",
-              "test_bench_smoke.py")
+              "test_bench_smoke.py", "test_readme_load_test.py")
 
 
 @dataclass
@@ -76,13 +76,10 @@ def server(repository, fault_repository, tmp_path_factory):
     if EXTERNAL:
         yield ExternalServer(EXTERNAL)
         return
-    from tritonlocal import ServerOptions, TritonServer
-    from tritonlocal.runtime import free_ports
+    from tritonlocal import TritonServer, on_free_ports
 
-    http, grpc, metrics = free_ports(3)
     log = tmp_path_factory.mktemp("tritonserver") / "tritonserver.log"
-    options = ServerOptions(repository, http_port=http, grpc_port=grpc, metrics_port=metrics,
-                            log_file=log, extra_args=[f"--model-repository={fault_repository}"],
+    options = on_free_ports(repository, log, extra_args=[f"--model-repository={fault_repository}"],
                             # The crash test leaves a model whose stub is dead; this Triton build
                             # never unloads it, so a clean exit would wait its full exit timeout.
                             stop_grace=5.0)

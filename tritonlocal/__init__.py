@@ -4,11 +4,11 @@ The launcher is imported on first use, so ``python -m tritonlocal.liveness`` and
 ``python -m tritonlocal.flags`` (which the container runs) load only what they need.
 """
 
-__all__ = ["LauncherError", "ServerOptions", "TritonServer"]
+__all__ = ["LauncherError", "ServerOptions", "TritonServer", "on_free_ports"]
 
 
 def __getattr__(name: str):
-    if name in ("ServerOptions", "TritonServer"):
+    if name in ("ServerOptions", "TritonServer", "on_free_ports"):
         from tritonlocal import launcher
 
         return getattr(launcher, name)

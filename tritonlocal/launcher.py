@@ -33,7 +33,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tritonlocal import backend_build, flags, liveness, runtime
+from tritonlocal import backend_build, flags, liveness, procs, runtime
 from tritonlocal.runtime import LauncherError
 
 SHM = Path("/dev/shm")
@@ -74,6 +74,14 @@ class ServerOptions:
     # Triton's onnxruntime backend (libtriton_onnxruntime.so and its libonnxruntime.so.1), as
     # `make backend` builds it; None: the last build in the cache (backend_build.installed()).
     onnxruntime_backend: Path | None = None
+
+
+def on_free_ports(repository: Path, log_file: Path | None = None, **options) -> ServerOptions:
+    """Options for one more server (tests, benchmarks, soak): ``repository`` on three ports that
+    are free right now, its log in ``log_file``."""
+    http, grpc, metrics = runtime.free_ports(3)
+    return ServerOptions(Path(repository), http_port=http, grpc_port=grpc, metrics_port=metrics,
+                         log_file=log_file, **options)
 
 
 def restriction_args(header: tuple[str, str] | None) -> list[str]:
@@ -408,14 +416,13 @@ class Supervisor:
 def read_configs(repositories: list[Path]) -> list:
     """The ``ModelConfig`` of every model in the repositories (unparsable ones skipped: Triton
     reports bad configs itself, better)."""
-    from google.protobuf import text_format
-    from tritonclient.grpc import model_config_pb2
+    from bls_models.repository import load_config
 
     models = []
     for repository in repositories:
         for path in sorted(Path(repository).glob("*/config.pbtxt")):
             try:
-                config = text_format.Parse(path.read_text(), model_config_pb2.ModelConfig())
+                config = load_config(path)
             except Exception:  # noqa: BLE001
                 continue
             config.name = config.name or path.parent.name
@@ -487,28 +494,19 @@ def remove_stale_regions() -> list[Path]:
     removed = []
     for region in SHM.glob(f"{SHM_PREFIX}*"):
         pid = region.name.removeprefix(SHM_PREFIX).split("_", 1)[0]
-        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+        if pid.isdigit() and not procs.alive(int(pid)):
             region.unlink(missing_ok=True)
             removed.append(region)
     return removed
 
 
 def group_stubs(server_pid: int) -> dict[str, list[int]]:
-    """Model name -> pids of the python-backend stubs in the server's process group (argv[8] of
-    a stub is its instance, ``<model>_<group>_<index>``)."""
+    """Model name -> pids of the python-backend stubs in the server's process group."""
     stubs: dict[str, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            if os.getpgid(int(entry)) != server_pid:
-                continue
-            argv = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
-        except (OSError, ProcessLookupError):
-            continue
-        instance = re.fullmatch(rb"(.+)_\d+_\d+", argv[8]) if len(argv) > 8 else None
-        if argv[0].endswith(b"triton_python_backend_stub") and instance:
-            stubs.setdefault(instance.group(1).decode(), []).append(int(entry))
+    for process in procs.processes():
+        stub = process.stub
+        if process.pgid == server_pid and stub and stub.model:
+            stubs.setdefault(stub.model, []).append(process.pid)
     return stubs
 
 
@@ -517,25 +515,20 @@ def kill_orphaned_stubs() -> list[int]:
 
     A server dies with its launcher (PDEATHSIG), but a stub blocked in a BLS call when that
     happens was seen to outlive it for minutes, reparented to init, holding its memory and
-    shared-memory region. A stub's argv names its region (``tritonlocal_<launcher pid>_...``,
-    argv[2]) and its server's pid (argv[5]); one whose server no longer exists, or is no longer
-    its parent, is an orphan."""
+    shared-memory region. A stub's command line names its region (``tritonlocal_<launcher
+    pid>_...``) and its server's pid; one whose server no longer exists, or is no longer its
+    parent, is an orphan."""
     killed = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
+    for process in procs.processes():
+        stub = process.stub
+        if not stub or not stub.region.startswith(SHM_PREFIX) or stub.server_pid is None:
+            continue
+        if process.ppid == stub.server_pid and procs.alive(stub.server_pid):
             continue
         try:
-            argv = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
-            if len(argv) < 6 or not argv[0].endswith(b"triton_python_backend_stub"):
-                continue
-            if not argv[2].startswith(SHM_PREFIX.encode()) or not argv[5].isdigit():
-                continue
-            parent = liveness.process_stat(int(entry))[2]
-            if parent == int(argv[5]) and Path(f"/proc/{parent}").exists():
-                continue
-            os.kill(int(entry), signal.SIGKILL)
-            killed.append(int(entry))
-        except (OSError, ValueError, IndexError):
+            os.kill(process.pid, signal.SIGKILL)
+            killed.append(process.pid)
+        except OSError:
             continue
     return killed
 

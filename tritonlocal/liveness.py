@@ -35,11 +35,9 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from dataclasses import dataclass, field
-from pathlib import Path
 
-PROC = Path("/proc")
-STUB_COMM = "triton_python_b"   # /proc/<pid>/comm: the first 15 bytes of the executable's name
-SERVER_COMM = "tritonserver"
+from tritonlocal import procs
+
 STUB_BACKENDS = ("python",)
 
 ALIVE, NOT_ALIVE, UNKNOWN = 0, 1, 2   # exit codes of the command
@@ -95,44 +93,16 @@ class CheckError(RuntimeError):
 
 
 # -- processes ----------------------------------------------------------------------------------
-def process_stat(pid: int) -> tuple[str, str, int]:
-    """(comm, state, parent pid) of a process, from /proc/<pid>/stat."""
-    text = (PROC / str(pid) / "stat").read_text()
-    comm = text[text.index("(") + 1:text.rindex(")")]
-    state, ppid = text[text.rindex(")") + 2:].split()[:2]
-    return comm, state, int(ppid)
-
-
 def server_pids() -> list[int]:
     """Every process named tritonserver in this PID namespace."""
-    found = []
-    for entry in PROC.iterdir():
-        if entry.name.isdigit():
-            try:
-                if process_stat(int(entry.name))[0] == SERVER_COMM:
-                    found.append(int(entry.name))
-            except (OSError, ValueError):
-                continue
-    return sorted(found)
+    return sorted(p.pid for p in procs.processes() if p.comm == procs.SERVER_COMM)
 
 
 def stubs_of(server_pid: int) -> list[Stub]:
     """The server's python-backend stub children, dead (zombie) ones included."""
-    stubs = []
-    for entry in PROC.iterdir():
-        if not entry.name.isdigit():
-            continue
-        pid = int(entry.name)
-        try:
-            comm, state, ppid = process_stat(pid)
-            if ppid != server_pid or not comm.startswith(STUB_COMM):
-                continue
-            argv = (entry / "cmdline").read_bytes().split(b"\0")
-        except (OSError, ValueError):
-            continue
-        instance = argv[8].decode(errors="replace") if len(argv) > 8 and argv[8] else None
-        stubs.append(Stub(pid, state, instance))
-    return sorted(stubs, key=lambda s: s.pid)
+    return sorted((Stub(p.pid, p.state, p.stub.instance if p.stub else None)
+                   for p in procs.processes() if p.ppid == server_pid and p.is_stub),
+                  key=lambda s: s.pid)
 
 
 # -- what the server should have ----------------------------------------------------------------
@@ -189,7 +159,7 @@ def check(url: str, server_pid: int | None = None, stub_backends=STUB_BACKENDS,
             raise CheckError(f"expected one tritonserver process, found {servers or 'none'}; "
                              "pass --server-pid")
         server_pid = servers[0]
-    if not (PROC / str(server_pid)).exists():
+    if not procs.alive(server_pid):
         raise CheckError(f"no process {server_pid}")
     notes = []
     try:

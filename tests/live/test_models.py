@@ -14,7 +14,6 @@ from bls_models import spec as S
 from modelgen import export
 from tests.live.support import assert_served, batch_spread
 
-NP_DTYPES = {"TYPE_UINT8": np.uint8, "TYPE_INT64": np.int64, "TYPE_FP32": np.float32}
 
 
 def random_input(model: S.ModelSpec, batch: int, seed: int) -> np.ndarray:
@@ -62,7 +61,7 @@ def test_model_answers_like_onnxruntime(model, protocol, http_client, grpc_clien
     for output, expected, spread in zip(model.outputs, reference(model, data), spreads):
         actual = result.as_numpy(output.name)
         assert actual.shape == (batch, *output.dims)
-        assert actual.dtype == NP_DTYPES[output.dtype]
+        assert actual.dtype == np.dtype(S.DTYPES[output.dtype])
         assert_served(actual, expected, spread, output.name)
 
 

@@ -1,14 +1,16 @@
 """How the BLS orchestrators behave under slow, failing and crashing sub-models, cancellation and
 load — against the real server, with the test-only fault models (modelgen/fault_model.py, modelgen/variants.py).
 
-The only timing assertions are behaviour the orchestrator promises: an error within the deadline
-plus 50 ms, and unrelated requests not waiting for a slow one.
+The only timing assertions are behaviour the orchestrator promises: an error on time after the
+deadline (``support.assert_on_time``: the median within 50 ms, every one within 250 ms on a busy
+2-core host), and unrelated requests not waiting for a slow one.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import re
 import time
 
 import numpy as np
@@ -16,10 +18,12 @@ import pytest
 import tritonclient.grpc as grpcclient
 
 from bls_models import spec as S
-from tests.live.support import (STATUS, drive, image, inference_count, metric, request_inputs,
+from bls_models.metrics import FAMILIES, known_series
+from tests.live.support import (SLACK, STATUS, assert_on_time, drive, eventually, image,
+                                inference_count, metric, metrics_text, request_inputs, settled,
                                 timed_infer)
 
-DEADLINE_SLACK = 0.05  # the promise: an error within deadline + 50 ms
+REPEATS = 3  # requests per on-time check: their median is held to the promise (support.ON_TIME)
 
 
 @pytest.fixture
@@ -74,8 +78,10 @@ def test_a_slow_request_does_not_hold_up_fifty_others(protocol, server):
     assert all(o.error is None and o.elapsed >= 1.0 for o in slow_outcomes)
     assert all(o.error is None for o in fast), [str(o.error) for o in fast if o.error]
     latencies = sorted(o.elapsed for o in fast)
-    # Serialised behind the slow requests, they would take 0.8 s or more.
-    assert latencies[-1] < 0.8, f"slowest of 50: {latencies[-1]:.3f} s (p50 {latencies[25]:.3f} s)"
+    # Serialised behind the slow requests, every one would take 0.8 s or more; p90 leaves room
+    # for the few a busy host delays.
+    assert latencies[44] < 0.8, f"p90 of 50: {latencies[44]:.3f} s (p50 {latencies[25]:.3f} s, " \
+                                f"slowest {latencies[-1]:.3f} s)"
 
 
 # -- deadlines ------------------------------------------------------------------------------------
@@ -89,50 +95,64 @@ def test_a_slow_request_does_not_hold_up_fifty_others(protocol, server):
 def test_client_deadline_expires_in_each_stage(model, stage, data, name, dtype, protocol,
                                                client_for, server):
     budget = 0.3
-    outcome = timed_infer(client_for(protocol), protocol, model, data, name=name, dtype=dtype,
-                          request_id=f"fault_{stage}:delay:{int(budget * 1000) + 500}",
-                          timeout_us=int(budget * 1e6))
-    assert_error(outcome, protocol, "UNAVAILABLE", "deadline", f"'{stage}'", f"fault_{stage}")
-    assert outcome.elapsed < budget + DEADLINE_SLACK, f"answered after {outcome.elapsed:.3f} s"
+    outcomes = [timed_infer(client_for(protocol), protocol, model, data, name=name, dtype=dtype,
+                            request_id=f"fault_{stage}:delay:{int(budget * 1000) + 500}",
+                            timeout_us=int(budget * 1e6)) for _ in range(REPEATS)]
+    for outcome in outcomes:
+        assert_error(outcome, protocol, "UNAVAILABLE", "deadline", f"'{stage}'", f"fault_{stage}")
+    assert_on_time([o.elapsed for o in outcomes], budget)
 
 
 def test_default_deadline_applies_without_a_client_timeout(grpc_client):
     # pipeline_faulty: default_deadline_ms = 1500
-    outcome = timed_infer(grpc_client, "grpc", "pipeline_faulty", image(5),
-                          request_id="fault_classifier:delay:2000")
-    assert_error(outcome, "grpc", "UNAVAILABLE", "deadline", "'classifier'", "default deadline")
-    assert 1.5 <= outcome.elapsed < 1.5 + DEADLINE_SLACK
+    outcomes = [timed_infer(grpc_client, "grpc", "pipeline_faulty", image(5),
+                            request_id="fault_classifier:delay:2000") for _ in range(REPEATS)]
+    for outcome in outcomes:
+        assert_error(outcome, "grpc", "UNAVAILABLE", "deadline", "'classifier'", "default deadline")
+        assert outcome.elapsed >= 1.5
+    assert_on_time([o.elapsed for o in outcomes], 1.5)
 
 
 def test_stage_timeout_caps_one_stage(grpc_client):
     # pipeline_faulty: embedder_timeout_ms = 400; the client allows 5 s.
-    outcome = timed_infer(grpc_client, "grpc", "pipeline_faulty", image(6),
-                          request_id="fault_embedder:delay:1000", timeout_us=5_000_000)
-    assert_error(outcome, "grpc", "UNAVAILABLE", "deadline", "'embedder'", "stage timeout")
-    assert 0.4 <= outcome.elapsed < 0.4 + DEADLINE_SLACK
+    outcomes = [timed_infer(grpc_client, "grpc", "pipeline_faulty", image(6),
+                            request_id="fault_embedder:delay:1000", timeout_us=5_000_000)
+                for _ in range(REPEATS)]
+    for outcome in outcomes:
+        assert_error(outcome, "grpc", "UNAVAILABLE", "deadline", "'embedder'", "stage timeout")
+        assert outcome.elapsed >= 0.4
+    assert_on_time([o.elapsed for o in outcomes], 0.4)
+
+
+def test_a_deadline_both_branches_miss_is_counted_once_per_request(grpc_client, server):
+    model = "pipeline_faulty"
+    requests = settled(server, "bls_deadline_exceeded_total", model=model)
+    sub_requests = settled(server, "bls_subrequest_errors_total", model=model, kind="deadline")
+    outcome = timed_infer(grpc_client, "grpc", model, image(16), timeout_us=300_000,
+                          request_id="fault_classifier:delay:800;fault_embedder:delay:800")
+    assert_error(outcome, "grpc", "UNAVAILABLE", "deadline")
+    # Each branch's sub-request failed on the deadline; the request missed it once.
+    assert eventually(server, "bls_subrequest_errors_total", sub_requests + 2, model=model,
+                      kind="deadline") == sub_requests + 2
+    assert settled(server, "bls_deadline_exceeded_total", model=model) == requests + 1
 
 
 def test_abandoned_sub_requests_are_counted_and_complete(grpc_client, server):
     labels = {"model": "pipeline_faulty", "stage": "classifier"}
 
-    def settled() -> tuple[float, float]:
-        """Counters once earlier tests' abandoned sub-requests have all finished."""
-        give_up = time.monotonic() + 10
-        while True:
-            counts = (metric(server, "bls_abandoned_subrequests_total", **labels),
-                      metric(server, "bls_abandoned_subrequests_completed_total", **labels))
-            if counts[0] == counts[1] or time.monotonic() > give_up:
-                return counts
-            time.sleep(0.1)
-
-    abandoned, completed = settled()
+    abandoned = settled(server, "bls_abandoned_subrequests_total", **labels)
+    # Earlier tests' abandoned sub-requests have all finished.
+    completed = eventually(server, "bls_abandoned_subrequests_completed_total", abandoned,
+                           **labels)
     assert abandoned == completed, "abandoned sub-requests that never complete"
     outcome = timed_infer(grpc_client, "grpc", "pipeline_faulty", image(7),
                           request_id="fault_classifier:delay:600", timeout_us=200_000)
     assert_error(outcome, "grpc", "UNAVAILABLE", "deadline")
-    assert metric(server, "bls_abandoned_subrequests_total", **labels) == abandoned + 1
+    assert eventually(server, "bls_abandoned_subrequests_total", abandoned + 1,
+                      **labels) == abandoned + 1
     # The sub-model finishes the abandoned work (its result is dropped) and it is counted.
-    assert settled() == (abandoned + 1, completed + 1)
+    assert eventually(server, "bls_abandoned_subrequests_completed_total", completed + 1,
+                      **labels) == completed + 1
     assert timed_infer(grpc_client, "grpc", "pipeline_faulty", image(8)).error is None
 
 
@@ -213,7 +233,7 @@ def test_a_crashed_sub_model_gives_an_error_not_a_hang(grpc_client):
     assert outcome.error is not None
     assert outcome.error.status() in (STATUS["grpc"]["INTERNAL"], STATUS["grpc"]["UNAVAILABLE"])
     assert "'classifier'" in outcome.error.message()
-    assert outcome.elapsed < 3.0 + DEADLINE_SLACK
+    assert outcome.elapsed < 3.0 + SLACK  # a crash is never waited out past the deadline
     # The orchestrator and the rest of the server carry on.
     again = timed_infer(grpc_client, "grpc", "pipeline_crash", image(11))
     assert again.error is not None and "'classifier'" in again.error.message()
@@ -223,22 +243,24 @@ def test_a_crashed_sub_model_gives_an_error_not_a_hang(grpc_client):
 # -- cancellation ---------------------------------------------------------------------------------
 def test_a_cancelled_request_stops_before_the_next_stage(server, grpc_client):
     before = inference_count(grpc_client, "fault_classifier")
-    cancelled = metric(server, "bls_cancelled_requests_total", model="pipeline_faulty")
-    answered = metric(server, "bls_requests_total", model="pipeline_faulty", code="CANCELLED")
+    cancelled = settled(server, "bls_cancelled_requests_total", model="pipeline_faulty")
+    answered = settled(server, "bls_requests_total", model="pipeline_faulty", code="CANCELLED")
     # The gRPC deadline (client_timeout) cancels the request while preprocess takes 0.8 s.
     outcome = timed_infer(grpc_client, "grpc", "pipeline_faulty", image(13),
                           request_id="fault_preprocess:delay:800", client_timeout=0.3)
     assert outcome.error is not None and "Deadline" in str(outcome.error)
-    time.sleep(1.0)  # preprocess finishes; the orchestrator must then stop
-    assert metric(server, "bls_cancelled_requests_total", model="pipeline_faulty") > cancelled
-    assert metric(server, "bls_requests_total", model="pipeline_faulty",
-                  code="CANCELLED") == answered + 1, "answered exactly once, as CANCELLED"
+    # preprocess finishes after 0.8 s; the orchestrator must then stop, before both branches.
+    assert eventually(server, "bls_requests_total", answered + 1, model="pipeline_faulty",
+                      code="CANCELLED") == answered + 1, "answered exactly once, as CANCELLED"
+    # Counted once per request, though both branches (classifier, embedder) saw it cancelled.
+    assert settled(server, "bls_cancelled_requests_total", model="pipeline_faulty") \
+        == cancelled + 1
     assert inference_count(grpc_client, "fault_classifier") == before, "classifier was still called"
 
 
 # -- load -----------------------------------------------------------------------------------------
 def test_a_burst_of_1000_concurrent_requests_is_answered_exactly_once(server):
-    answered_before = metric(server, "bls_requests_total", model="pipeline")
+    answered_before = settled(server, "bls_requests_total", model="pipeline")
     outcomes = asyncio.run(drive(server.grpc_url, "pipeline", count=1000, concurrency=1000,
                                  data=image(42), prefix="burst"))
     errors = [str(error) for _, _, error in outcomes if error is not None]
@@ -246,21 +268,38 @@ def test_a_burst_of_1000_concurrent_requests_is_answered_exactly_once(server):
     assert [sent for sent, _, _ in outcomes] == [answered for _, answered, _ in outcomes]
     assert len({answered for _, answered, _ in outcomes}) == 1000
     # The server side agrees: 1000 responses sent, none twice.
-    assert metric(server, "bls_requests_total", model="pipeline") == answered_before + 1000
+    assert eventually(server, "bls_requests_total", answered_before + 1000,
+                      model="pipeline") == answered_before + 1000
 
 
 # -- metrics --------------------------------------------------------------------------------------
 def test_bls_metrics_are_served_next_to_tritons(server, grpc_client):
     assert timed_infer(grpc_client, "grpc", "pipeline", image(14)).error is None
+    positive = lambda value: value > 0  # noqa: E731
     for stage in ("preprocess", "classifier", "embedder"):
-        assert metric(server, "bls_stage_latency_seconds_count", model="pipeline", stage=stage) > 0
-    assert metric(server, "bls_request_latency_seconds_count", model="pipeline") > 0
-    assert metric(server, "bls_requests_total", model="pipeline", code="SUCCESS") > 0
-    assert metric(server, "bls_inflight_requests", model="pipeline") == 0
-    assert metric(server, "bls_inflight_subrequests", model="pipeline") == 0
+        assert eventually(server, "bls_stage_latency_seconds_count", positive, model="pipeline",
+                          stage=stage) > 0
+    assert eventually(server, "bls_request_latency_seconds_count", positive, model="pipeline") > 0
+    assert eventually(server, "bls_requests_total", positive, model="pipeline", code="SUCCESS") > 0
+    assert settled(server, "bls_inflight_requests", model="pipeline") == 0
+    assert settled(server, "bls_inflight_subrequests", model="pipeline") == 0
     assert metric(server, "nv_inference_count", model="pipeline") > 0
-    errors = metric(server, "bls_subrequest_errors_total", model="pipeline_faulty",
-                    stage="embedder", kind="failed")
+    labels = {"model": "pipeline_faulty", "stage": "embedder", "kind": "failed"}
+    errors = settled(server, "bls_subrequest_errors_total", **labels)
     timed_infer(grpc_client, "grpc", "pipeline_faulty", image(15), request_id="fault_embedder:error:x")
-    assert metric(server, "bls_subrequest_errors_total", model="pipeline_faulty",
-                  stage="embedder", kind="failed") == errors + 1
+    assert eventually(server, "bls_subrequest_errors_total", errors + 1, **labels) == errors + 1
+
+
+def test_every_known_series_is_exported_from_load(server):
+    """Prometheus conventions: each known label set exists at 0 before its first event, so
+    ``rate()`` and dashboards see the error and deadline families from the start."""
+    samples = set()
+    for line in metrics_text(server).splitlines():
+        match = re.match(r"^(\w+)\{(.*)\} \S+$", line)
+        if match:
+            samples.add((match.group(1), frozenset(re.findall(r'(\w+)="([^"]*)"', match.group(2)))))
+    for model in S.BLS_MODELS:
+        for family, labels in known_series(S.STAGES[model.name]):
+            name = f"{family}_count" if FAMILIES[family][0] == "HISTOGRAM" else family
+            wanted = frozenset({"model": model.name, **labels}.items())
+            assert any(n == name and wanted <= found for n, found in samples), (name, wanted)

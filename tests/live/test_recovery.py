@@ -25,12 +25,13 @@ from pathlib import Path
 import pytest
 import tritonclient.grpc as grpcclient
 
-from bench.clients import closed_loop
+from tritonlocal.load import closed_loop
 from bls_models import spec as S
 from tests.live.support import PYTHON_MODEL, image, server_options, timed_infer
 from tritonlocal import TritonServer
 from tritonlocal.launcher import Supervisor
-from tritonlocal.liveness import process_stat, server_pids, stubs_of
+from tritonlocal import procs
+from tritonlocal.liveness import server_pids, stubs_of
 
 ROOT = Path(__file__).resolve().parents[2]
 RECOVERY_LIMIT = 60.0     # the promise: serving again within 60 s of a stub's death
@@ -65,7 +66,7 @@ def http_status(server: TritonServer, path: str) -> int:
 
 
 def instance_of(pid: int) -> str:
-    return Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[8].decode()
+    return procs.process(pid).stub.instance
 
 
 def kill_and_wait_dead(pid: int) -> None:
@@ -73,7 +74,7 @@ def kill_and_wait_dead(pid: int) -> None:
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         try:
-            if process_stat(pid)[1] == "Z":
+            if procs.stat(pid)[1] == "Z":
                 return
         except FileNotFoundError:
             return
@@ -231,6 +232,6 @@ def test_make_serve_restarts_the_server_when_a_stub_dies(serve):
 
 def server_pid(launcher_pid: int) -> int:
     """The tritonserver child of a `python -m tritonlocal serve` process."""
-    children = [pid for pid in server_pids() if process_stat(pid)[2] == launcher_pid]
+    children = [pid for pid in server_pids() if procs.stat(pid)[2] == launcher_pid]
     assert children, "no tritonserver child"
     return children[0]

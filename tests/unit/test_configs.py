@@ -3,6 +3,7 @@ agrees with the ONNX file it serves."""
 
 from __future__ import annotations
 
+import numpy as np
 import onnx
 import pytest
 from tritonclient.grpc import model_config_pb2
@@ -11,11 +12,8 @@ from bls_models import spec as S
 from modelgen import configs, export
 
 MODELS = [m.name for m in S.ALL_MODELS]
-ONNX_TYPES = {
-    "TYPE_UINT8": onnx.TensorProto.UINT8,
-    "TYPE_INT64": onnx.TensorProto.INT64,
-    "TYPE_FP32": onnx.TensorProto.FLOAT,
-}
+ONNX_TYPES = {name: onnx.helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
+              for name, dtype in S.DTYPES.items() if dtype != "object"}
 
 
 def committed(repository, name) -> model_config_pb2.ModelConfig:

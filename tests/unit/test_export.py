@@ -25,7 +25,7 @@ def test_onnxruntime_matches_pytorch(repository, model):
     actual = session.run([t.name for t in model.outputs], {model.inputs[0].name: example.numpy()})
     for output, got, want in zip(model.outputs, actual, expected):
         assert got.shape == (3, *output.dims)
-        assert got.dtype == {"TYPE_FP32": np.float32, "TYPE_INT64": np.int64}[output.dtype]
+        assert got.dtype == np.dtype(S.DTYPES[output.dtype])
         np.testing.assert_allclose(got, want.numpy(), rtol=1e-4, atol=1e-4, err_msg=output.name)
 
 

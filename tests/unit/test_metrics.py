@@ -1,6 +1,7 @@
 """Metrics batching (pure logic, with a recording stand-in for pb_utils' metric classes)."""
 
-from bls_models.metrics import FAMILIES, Metrics
+from bls_models.errors import Code, Kind
+from bls_models.metrics import FAMILIES, REQUEST_CODES, Metrics, known_series
 
 
 class _Recorded:
@@ -21,17 +22,20 @@ class _Family:
         self.name, self.log = name, log
 
     def Metric(self, labels, buckets=None):  # noqa: N802 - pb_utils' name
+        self.created.append((self.name, tuple(sorted(labels.items()))))
         return _Recorded(self.log, (self.name, tuple(sorted(labels.items()))))
 
 
 class _PbUtils:
     def __init__(self):
         self.log = []
-        log = self.log
+        self.created = []
+        log, created = self.log, self.created
 
         class Family(_Family):
             def __init__(self, name, description, kind):
                 super().__init__(name, description, kind, log)
+                self.created = created
 
         self.MetricFamily = Family
 
@@ -75,3 +79,32 @@ def test_histograms_are_sent_at_once_and_close_flushes():
 
 def test_every_family_is_declared_once_with_the_prefix():
     assert all(name.startswith("bls_") for name in FAMILIES)
+
+
+def test_every_known_series_exists_at_zero_from_load():
+    pb = _PbUtils()
+    Metrics(pb, "pipeline", stages=["preprocess", "classifier"])
+    created = set(pb.created)
+    assert pb.log == [], "creating a series publishes no value: it starts at 0"
+    assert len(created) == len(pb.created), "a series was created twice"
+    model = ("model", "pipeline")
+    for kind in Kind:
+        assert ("bls_subrequest_errors_total",
+                tuple(sorted([model, ("stage", "classifier"), ("kind", kind.value)]))) in created
+    for code in (*(c.value for c in Code), "SUCCESS"):
+        assert ("bls_requests_total", tuple(sorted([model, ("code", code)]))) in created
+    assert ("bls_deadline_exceeded_total", tuple(sorted([model, ("stage", "preprocess")]))) in created
+    assert {name for name, _ in created} == set(FAMILIES), "a family has no series at load"
+
+
+def test_known_series_cover_what_the_runtime_counts():
+    series = known_series(["s"])
+    assert ("bls_requests_total", {"code": "SEND_FAILED"}) in series
+    assert set(REQUEST_CODES) >= {"SUCCESS", "CANCELLED", "INTERNAL", "UNAVAILABLE", "INVALID_ARG"}
+    # Counting a known series later reuses it: no second Metric object.
+    pb = _PbUtils()
+    metrics = Metrics(pb, "m", stages=["s"])
+    before = len(pb.created)
+    metrics.increment("bls_cancelled_requests_total", stage="s")
+    metrics.flush()
+    assert len(pb.created) == before

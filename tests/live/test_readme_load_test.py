@@ -1,0 +1,64 @@
+"""The README's load test ("Load-test it yourself") runs as written against a live server: each
+perf_analyzer command succeeds, and the metrics command shows what the orchestrators counted.
+
+Only the ports are replaced (the test server's instead of the defaults), and each perf_analyzer
+command gets shorter measurement windows (count windows of 20 requests) so the suite stays fast."""
+
+from __future__ import annotations
+
+import re
+import shlex
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+QUICK = ["--measurement-mode", "count_windows", "--measurement-request-count", "20",
+         "--stability-percentage", "1000", "--max-trials", "8"]
+
+
+def readme_commands() -> list[str]:
+    text = (ROOT / "README.md").read_text()
+    section = text.split("## Load-test it yourself", 1)[1].split("\n## ", 1)[0]
+    block = re.search(r"```bash\n(.*?)```", section, flags=re.DOTALL).group(1)
+    return [line for line in block.splitlines() if line and not line.startswith("#")]
+
+
+def for_server(command: str, server) -> str:
+    http, grpc = server.http_url.rsplit(":", 1)[1], server.grpc_url.rsplit(":", 1)[1]
+    metrics = server.metrics_url.split(":")[2].split("/")[0]
+    return (command.replace("127.0.0.1:8001", f"127.0.0.1:{grpc}")
+            .replace("127.0.0.1:8000", f"127.0.0.1:{http}")
+            .replace("127.0.0.1:8002", f"127.0.0.1:{metrics}"))
+
+
+def test_the_readme_has_a_command_per_orchestrator_and_protocol():
+    commands = readme_commands()
+    perf = [c for c in commands if c.startswith(".venv/bin/perf_analyzer")]
+    assert {re.search(r"-m (\S+)", c).group(1) for c in perf} >= {"pipeline", "tag_pipeline"}
+    assert {re.search(r"-i (\S+)", c).group(1) for c in perf} == {"grpc", "http"}
+    assert any("--shared-memory system" in c for c in perf)
+    assert any("/metrics" in c for c in commands)
+
+
+@pytest.mark.parametrize("index", range(len([c for c in readme_commands()
+                                             if c.startswith(".venv/bin/perf_analyzer")])))
+def test_each_perf_analyzer_command_runs(server, index):
+    command = [c for c in readme_commands() if c.startswith(".venv/bin/perf_analyzer")][index]
+    argv = shlex.split(for_server(command, server)) + QUICK
+    done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-3000:]
+    assert re.search(r"Throughput: [\d.]+ infer/sec", output), output[-3000:]
+
+
+def test_the_metrics_command_shows_the_orchestrators_counts(server, grpc_client):
+    from tests.live.support import image, timed_infer
+
+    assert timed_infer(grpc_client, "grpc", "pipeline", image(3)).error is None
+    (command,) = [c for c in readme_commands() if "/metrics" in c]
+    done = subprocess.run(for_server(command, server), shell=True, cwd=ROOT,
+                          capture_output=True, text=True, timeout=60)
+    assert re.search(r'^bls_requests_total\{.*model="pipeline".*\} [1-9]', done.stdout, re.M), \
+        done.stdout[-2000:]

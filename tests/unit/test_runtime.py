@@ -1,0 +1,182 @@
+"""The orchestrator runtime (``bls_models.triton_runtime.Orchestrator``) with a fake ``pb_utils``
+and in-process sub-models: its event-loop thread, sub-request pool, deadlines, cancellation,
+counters and exactly-once answers, with no server (each test takes well under a second)."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from bls_models import spec as S
+from bls_models.metrics import FLUSH_SECONDS
+from bls_models.triton_runtime import Orchestrator
+from modelgen import configs
+from tests.unit.fake_pb_utils import FakePbUtils, Request, SubModelError
+
+ROOT = Path(__file__).resolve().parents[2]
+REPOSITORY = ROOT / "model_repository"
+
+
+def delay_for(request, model: str) -> float:
+    """Seconds a fake sub-model sleeps: the request id may carry ``<model>=<seconds>``."""
+    for part in request.request_id.split(";"):
+        name, _, seconds = part.partition("=")
+        if name == model:
+            return float(seconds)
+    return 0.0
+
+
+def sub_models(fail: set[str] = frozenset()) -> dict:
+    def model(name, outputs):
+        def run(inputs, request):
+            time.sleep(delay_for(request, name))
+            if name in fail:
+                raise SubModelError(f"{name} failed on purpose")
+            batch = next(iter(inputs.values())).shape[0]
+            rng = np.random.default_rng(batch)
+            return {t.name: rng.standard_normal((batch, *t.dims)).astype(np.float32)
+                    for t in outputs}
+        return run
+
+    return {m.name: model(m.name, m.outputs) for m in (S.PREPROCESS, S.CLASSIFIER, S.EMBEDDER)}
+
+
+def orchestrator(pb: FakePbUtils, **parameters: str) -> Orchestrator:
+    spec = S.PIPELINE
+    config = configs.config_dict(spec)
+    config["parameters"].update({k: {"string_value": v} for k, v in parameters.items()})
+    return Orchestrator(pb, {"model_name": spec.name, "model_config": json.dumps(config),
+                             "model_repository": str(REPOSITORY / spec.name)}, "pipeline")
+
+
+def image(batch: int = 1) -> dict[str, np.ndarray]:
+    return {"IMAGE": np.zeros((batch, *S.IMAGE.dims), np.uint8)}
+
+
+def wait_answered(requests: list[Request], timeout: float = 10.0) -> None:
+    give_up = time.monotonic() + timeout
+    for request in requests:
+        assert request.sender.done.wait(max(0.0, give_up - time.monotonic())), "never answered"
+
+
+def settled_metric(pb: FakePbUtils, family: str, **labels: str) -> float:
+    time.sleep(2 * FLUSH_SECONDS)  # counters are published by the runtime's flush
+    return pb.metric(family, **labels)
+
+
+@pytest.fixture
+def made():
+    """Orchestrators made by a test, closed afterwards whatever happened."""
+    made: list[Orchestrator] = []
+    yield made
+    for orch in made:
+        orch.close()
+
+
+def test_each_request_is_answered_once_with_its_outputs(made):
+    pb = FakePbUtils(sub_models())
+    made.append(orch := orchestrator(pb))
+    requests = [Request(image(1 + i % 3), request_id=f"r{i}") for i in range(30)]
+    for start in range(0, 30, 7):  # several execute calls, as Triton batches them
+        assert orch.execute(requests[start:start + 7]) is None
+    wait_answered(requests)
+    time.sleep(0.1)  # a second answer would arrive by now
+    for request in requests:
+        (response,) = request.sender.sent
+        assert not response.has_error()
+        outputs = {t.name(): t.as_numpy() for t in response.output_tensors}
+        batch = request.inputs["IMAGE"].as_numpy().shape[0]
+        assert outputs["CLASS_IDS"].shape == (batch, S.TOP_K)
+        assert outputs["EMBEDDING"].shape == (batch, S.EMBEDDING_DIM)
+    assert settled_metric(pb, "bls_requests_total", code="SUCCESS") == 30
+    assert pb.metric("bls_inflight_requests") == 0
+    # Every sub-request carried its client request's id.
+    assert {rid for _, rid in pb.calls} == {f"r{i}" for i in range(30)}
+
+
+def test_a_deadline_both_branches_miss_is_answered_on_time_and_counted_once(made):
+    pb = FakePbUtils(sub_models())
+    made.append(orch := orchestrator(pb))
+    request = Request(image(), request_id="classifier=0.6;embedder=0.6", timeout_us=200_000)
+    started = time.monotonic()
+    orch.execute([request])
+    wait_answered([request])
+    elapsed = time.monotonic() - started
+    (response,) = request.sender.sent
+    assert response.has_error() and "deadline exceeded" in response.error().message()
+    assert response.error().code() == pb.TritonError.UNAVAILABLE
+    assert 0.2 <= elapsed < 0.2 + 0.25  # on time, with room for a busy host
+    assert settled_metric(pb, "bls_deadline_exceeded_total") == 1
+    assert pb.metric("bls_subrequest_errors_total", kind="deadline") == 2  # one per branch
+    assert pb.metric("bls_abandoned_subrequests_total") == 2
+    # The abandoned sub-requests finish on their own (their results dropped) and are counted.
+    time.sleep(0.6)
+    assert settled_metric(pb, "bls_abandoned_subrequests_completed_total") == 2
+    assert len(request.sender.sent) == 1
+
+
+def test_a_cancelled_request_stops_before_its_next_stages_and_is_counted_once(made):
+    pb = FakePbUtils(sub_models())
+    made.append(orch := orchestrator(pb))
+    request = Request(image(), request_id="preprocess=0.3")
+    orch.execute([request])
+    time.sleep(0.1)
+    request.sender.cancelled.set()  # the client goes away while preprocess runs
+    wait_answered([request])
+    (response,) = request.sender.sent
+    assert response.error().code() == pb.TritonError.CANCELLED
+    assert [model for model, _ in pb.calls] == ["preprocess"], "a branch was still called"
+    assert settled_metric(pb, "bls_cancelled_requests_total") == 1  # not once per branch
+    assert pb.metric("bls_requests_total", code="CANCELLED") == 1
+
+
+def test_a_failing_sub_model_fails_its_request_with_internal_naming_the_stage(made):
+    pb = FakePbUtils(sub_models(fail={"embedder"}))
+    made.append(orch := orchestrator(pb))
+    request = Request(image())
+    orch.execute([request])
+    wait_answered([request])
+    (response,) = request.sender.sent
+    assert response.error().code() == pb.TritonError.INTERNAL
+    assert "stage 'embedder'" in response.error().message()
+    assert settled_metric(pb, "bls_subrequest_errors_total", stage="embedder", kind="failed") == 1
+
+
+def test_every_known_series_exists_at_zero_before_any_request(made):
+    pb = FakePbUtils(sub_models())
+    made.append(orchestrator(pb))
+    for stage in ("preprocess", "classifier", "embedder"):
+        for kind in ("deadline", "queue_full", "not_ready", "shm", "invalid", "cancelled", "failed"):
+            key = ("bls_subrequest_errors_total", ("kind", kind), ("model", "pipeline"),
+                   ("stage", stage))
+            assert pb.metrics.get(key) == 0, key
+        assert pb.metrics.get(("bls_deadline_exceeded_total", ("model", "pipeline"),
+                               ("stage", stage))) == 0
+    for code in ("SUCCESS", "INVALID_ARG", "UNAVAILABLE", "INTERNAL", "CANCELLED"):
+        assert pb.metrics.get(("bls_requests_total", ("code", code), ("model", "pipeline"))) == 0
+
+
+def test_shutdown_drains_what_is_in_flight_and_answers_every_request_once():
+    pb = FakePbUtils(sub_models())
+    orch = orchestrator(pb)
+    quick = [Request(image(), request_id=f"q{i}") for i in range(5)]
+    orch.execute(quick)
+    orch.close()  # waits for what is in flight (bounded), then stops
+    assert all(len(r.sender.sent) == 1 for r in quick)
+    assert all(not r.sender.sent[0].has_error() for r in quick)
+
+
+def test_backpressure_bounds_requests_in_flight(made):
+    pb = FakePbUtils(sub_models())
+    made.append(orch := orchestrator(pb, max_inflight_requests="2"))
+    requests = [Request(image(), request_id="classifier=0.2") for _ in range(4)]
+    started = time.monotonic()
+    orch.execute(requests[:2])
+    orch.execute(requests[2:])  # waits for a slot: execute returns only once two were answered
+    assert time.monotonic() - started >= 0.2
+    wait_answered(requests)
+    assert all(len(r.sender.sent) == 1 for r in requests)
