@@ -158,6 +158,13 @@ def _download(url: str, target: Path) -> Path:
     return target
 
 
+def _cached_download(url: str, cache: Path, name: str) -> Path:
+    """``<cache>/downloads/<name>``, downloaded from ``url`` the first time."""
+    target = cache / "downloads" / name
+    target.parent.mkdir(parents=True, exist_ok=True)
+    return target if target.is_file() else _download(url, target)
+
+
 def find_sources(sources: Path | None, cache: Path) -> dict[str, Path]:
     """repo -> ``<repo>-r24.10.tar.gz``: from ``sources`` if given, else the vendored copy if it
     exists, else GitHub (downloaded once into the cache)."""
@@ -169,11 +176,7 @@ def find_sources(sources: Path | None, cache: Path) -> dict[str, Path]:
         if missing:
             raise BuildError(f"the sources directory {directory} lacks {', '.join(missing)}")
         return tarballs
-    downloads = cache / "downloads"
-    downloads.mkdir(parents=True, exist_ok=True)
-    return {repo: (downloads / f"{repo}-{TAG}.tar.gz" if (downloads / f"{repo}-{TAG}.tar.gz")
-                   .is_file() else _download(SOURCE_URL.format(repo=repo),
-                                             downloads / f"{repo}-{TAG}.tar.gz"))
+    return {repo: _cached_download(SOURCE_URL.format(repo=repo), cache, f"{repo}-{TAG}.tar.gz")
             for repo in REPOS}
 
 
@@ -191,10 +194,8 @@ def find_header(headers: Path | None, library: Library, cache: Path) -> Path:
             raise BuildError(f"{candidate} holds neither onnxruntime_c_api.h nor a "
                              "libonnxruntime-dev_*.deb")
         return debs[-1]
-    target = cache / "downloads" / f"onnxruntime-linux-x64-{library.version}.tgz"
-    target.parent.mkdir(parents=True, exist_ok=True)
-    return target if target.is_file() else _download(
-        ORT_RELEASE_URL.format(version=library.version), target)
+    return _cached_download(ORT_RELEASE_URL.format(version=library.version), cache,
+                            f"onnxruntime-linux-x64-{library.version}.tgz")
 
 
 def gather(sources: Path | None, headers: Path | None, cache: Path) -> Inputs:

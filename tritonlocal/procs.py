@@ -123,7 +123,3 @@ def memory_mib(pid: int) -> dict[str, float]:
 
 def alive(pid: int) -> bool:
     return (PROC / str(pid)).exists()
-
-
-def argv_of(pid: int) -> tuple[bytes, ...]:
-    return process(pid).argv
