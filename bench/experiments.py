@@ -110,7 +110,7 @@ def write_variants(target: Path, repository: Path) -> Path:
         if spec.backend == "onnxruntime":
             variants.write_onnx(target, spec, export.onnx_path(repository, S.model(base)))
         else:
-            variants.write(target, spec, repository / base / "1" / "model.py")
+            variants.write(target, spec)
     return target
 
 
@@ -566,7 +566,7 @@ def tune_orchestrator(ctx: Context, result: Result, tuned: dict[str, S.ModelSpec
         for spec in specs:
             spec = dataclasses.replace(spec, parameters={**spec.parameters,
                                                          "stage_model_repositories": str(repo)})
-            variants.write(repo, spec, ctx.repository / base.name / "1" / "model.py")
+            variants.write(repo, spec)
 
     counts = [1, 2] if ctx.quick else list(ORCHESTRATOR_INSTANCES)
     cands, unloaded = _measure_stage(ctx, result, "o", base,
@@ -744,7 +744,7 @@ def ort_options(ctx: Context) -> Result:
                     ort_candidate_config(model, ORT_CANDIDATES[name]))
                 (repo / model.name / "1" / "model.onnx").symlink_to(
                     export.onnx_path(ctx.repository, model).resolve())
-            variants.write(repo, S.PIPELINE, ctx.repository / "pipeline" / "1" / "model.py")
+            variants.write(repo, S.PIPELINE)
             (repo / S.PIPELINE_ENSEMBLE.name / "1").mkdir(parents=True)
             (repo / S.PIPELINE_ENSEMBLE.name / "config.pbtxt").write_text(
                 configs.render(S.PIPELINE_ENSEMBLE))

@@ -1,21 +1,84 @@
-"""The BLS models' ``config.pbtxt`` parameters: parsed and checked once, in ``initialize``.
+"""The BLS models' ``config.pbtxt`` parameters: declared once, parsed and checked in ``initialize``.
 
 Operators configure the orchestrators, they do not edit code: which model each stage calls, the
 per-stage timeouts, the default deadline and the concurrency limits are all ``parameters``.
-Unknown keys are errors (a typo must not silently fall back to a default).
+Every parameter is declared here (the common ones, each stage's) or in its pipeline's definition
+(``PipelineDef.parameters``), with its default: the one place defaults live. A key the pipeline
+does not accept is an error (a typo, or a setting that would do nothing, must not be ignored).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-FANOUTS = ("concurrent", "sequential")
-CONCURRENCY_MODES = ("event_loop", "batch_gather")
-GPU_TENSORS = ("off", "on")
+from dataclasses import dataclass, field
 
 
 class ConfigError(ValueError):
     """The model's configuration is unusable; the model must fail to load with this message."""
+
+
+@dataclass(frozen=True)
+class Param:
+    """One accepted parameter: an integer (``minimum`` set), one of ``choices``, or a string."""
+
+    name: str
+    default: str       # as written in config.pbtxt
+    meaning: str
+    minimum: int | None = None
+    choices: tuple[str, ...] = ()
+    listed: bool = True  # written into the generated config.pbtxt (operators tune it there)
+
+    def value(self, raw: str | None, problems: list[str]):
+        """The parsed value of ``raw`` (None or "": the default), or the default and a problem."""
+        text = self.default if raw in (None, "") else raw
+        if self.choices:
+            if text not in self.choices:
+                problems.append(f"parameter '{self.name}' must be one of "
+                                f"{', '.join(self.choices)}, got '{text}'")
+                return self.default
+            return text
+        if self.minimum is None:
+            return text
+        try:
+            number = int(text)
+        except ValueError:
+            problems.append(f"parameter '{self.name}' must be an integer, got '{text}'")
+            return int(self.default)
+        if number < self.minimum:
+            problems.append(f"parameter '{self.name}' must be >= {self.minimum}, got {number}")
+        return number
+
+
+DEFAULT_DEADLINE = Param("default_deadline_ms", "10000",
+                         "end-to-end budget when the client sets no timeout", minimum=1)
+MAX_INFLIGHT = Param("max_inflight_requests", "512",
+                     "requests in flight per instance before `execute` waits", minimum=1)
+SUBREQUEST_THREADS = Param(
+    "subrequest_threads", "64",
+    "sub-requests waiting on sub-models at once, per instance; must stay below the python "
+    "backend's `thread-pool-size` (96 as launched)", minimum=1)
+STAGE_MODEL_REPOSITORIES = Param(
+    "stage_model_repositories", "",
+    "more repositories (comma-separated paths) in which the load-time check looks for stage "
+    "models, for servers started with several `--model-repository`", listed=False)
+CONCURRENCY_MODE = Param(
+    "concurrency_mode", "event_loop",
+    "`batch_gather` makes `execute` wait for its batch (measured alternative only)",
+    choices=("event_loop", "batch_gather"), listed=False)
+GPU_TENSORS = Param(
+    "gpu_tensors", "off",
+    "`on`: outputs that only flow into later stages stay in GPU memory and go to the next stages "
+    "by DLPack, for stages whose model is configured KIND_GPU; others are copied as with `off` "
+    "([production.md](production.md#gpu-tensors-between-stages-gpu_tensors)); accepted only by "
+    "pipelines with such outputs", choices=("off", "on"), listed=False)
+
+COMMON: tuple[Param, ...] = (DEFAULT_DEADLINE, MAX_INFLIGHT, SUBREQUEST_THREADS,
+                             STAGE_MODEL_REPOSITORIES, CONCURRENCY_MODE, GPU_TENSORS)
+
+
+def stage_parameters(stage: str, default_model: str) -> tuple[Param, Param]:
+    return (Param(f"{stage}_model", default_model, "the model the stage calls"),
+            Param(f"{stage}_timeout_ms", "0",
+                  "cap on one sub-request of the stage, ms; 0 = the deadline only", minimum=0))
 
 
 @dataclass(frozen=True)
@@ -31,26 +94,22 @@ class OrchestratorConfig:
     default_deadline_ms: int
     max_inflight_requests: int   # per instance; beyond it, execute() waits (backpressure)
     subrequest_threads: int      # per instance; sub-requests waiting on a sub-model at once
-    fanout: str                  # "concurrent" (production) or "sequential" (benchmark baseline)
     concurrency_mode: str        # "event_loop" (production) or "batch_gather" (measured alternative)
-    # More model repositories in which to find the stage models' configs at load time (comma-
-    # separated absolute paths), for servers started with several --model-repository flags.
+    # More model repositories in which to find the stage models' configs at load time, for
+    # servers started with several --model-repository flags.
     stage_model_repositories: tuple[str, ...] = ()
-    # "on": outputs that only flow into other stages (spec.PASS_THROUGH) stay where the sub-model
-    # put them, on its GPU, and go to the next stage by DLPack; "off": every output is copied to
-    # the orchestrator's CPU memory. "on" keeps the copy for stages whose model is not configured
-    # KIND_GPU (a CPU host, the portable repository), so it is safe everywhere.
+    # "on": pass-through outputs stay where the sub-model put them, on its GPU, and go to the next
+    # stage by DLPack; "off": every output is copied to the orchestrator's CPU memory. "on" keeps
+    # the copy for stages whose model is not configured KIND_GPU, so it is safe everywhere.
     gpu_tensors: bool = False
+    # The pipeline's own parameters (PipelineDef.parameters), parsed.
+    options: dict[str, object] = field(default_factory=dict)
 
     def stage(self, name: str) -> Stage:
         return self.stages[name]
 
 
-DEFAULTS = {
-    "default_deadline_ms": 10_000,
-    "max_inflight_requests": 512,
-    "subrequest_threads": 64,
-}
+_COMMON_NAMES = {p.name for p in COMMON}
 
 
 def string_parameters(model_config: dict) -> dict[str, str]:
@@ -58,51 +117,29 @@ def string_parameters(model_config: dict) -> dict[str, str]:
     return {k: str(v.get("string_value", "")) for k, v in (model_config.get("parameters") or {}).items()}
 
 
-def parse(parameters: dict[str, str], stages: dict[str, str]) -> OrchestratorConfig:
-    """Parse the parameters of an orchestrator whose stages (name -> default model) are given.
+def parse(values: dict[str, str], accepted: tuple[Param, ...], stages: list[str]
+          ) -> OrchestratorConfig:
+    """Parse ``values`` against the ``accepted`` parameters of an orchestrator with ``stages``.
 
     Raises ConfigError naming every problem at once.
     """
     problems: list[str] = []
-    known = {"fanout", "concurrency_mode", "stage_model_repositories", "gpu_tensors", *DEFAULTS}
-    for stage in stages:
-        known.update({f"{stage}_model", f"{stage}_timeout_ms"})
-    for key in sorted(set(parameters) - known):
-        problems.append(f"unknown parameter '{key}' (known: {', '.join(sorted(known))})")
-
-    def integer(key: str, default: int, minimum: int) -> int:
-        raw = parameters.get(key, "")
-        if raw == "":
-            return default
-        try:
-            value = int(raw)
-        except ValueError:
-            problems.append(f"parameter '{key}' must be an integer, got '{raw}'")
-            return default
-        if value < minimum:
-            problems.append(f"parameter '{key}' must be >= {minimum}, got {value}")
-        return value
-
-    def choice(key: str, options: tuple[str, ...]) -> str:
-        value = parameters.get(key) or options[0]
-        if value not in options:
-            problems.append(f"parameter '{key}' must be one of {', '.join(options)}, got '{value}'")
-        return value
-
-    parsed_stages = {}
-    for stage, default_model in stages.items():
-        model = parameters.get(f"{stage}_model") or default_model
-        parsed_stages[stage] = Stage(stage, model, integer(f"{stage}_timeout_ms", 0, 0))
+    known = {p.name: p for p in accepted}
+    for key in sorted(set(values) - set(known)):
+        problems.append(f"unknown parameter '{key}' (accepted: {', '.join(sorted(known))})")
+    parsed = {name: p.value(values.get(name), problems) for name, p in known.items()}
+    stage_names = {f"{s}_{what}" for s in stages for what in ("model", "timeout_ms")}
     config = OrchestratorConfig(
-        stages=parsed_stages,
-        default_deadline_ms=integer("default_deadline_ms", DEFAULTS["default_deadline_ms"], 1),
-        max_inflight_requests=integer("max_inflight_requests", DEFAULTS["max_inflight_requests"], 1),
-        subrequest_threads=integer("subrequest_threads", DEFAULTS["subrequest_threads"], 1),
-        fanout=choice("fanout", FANOUTS),
-        concurrency_mode=choice("concurrency_mode", CONCURRENCY_MODES),
+        stages={s: Stage(s, parsed[f"{s}_model"], parsed[f"{s}_timeout_ms"]) for s in stages},
+        default_deadline_ms=parsed["default_deadline_ms"],
+        max_inflight_requests=parsed["max_inflight_requests"],
+        subrequest_threads=parsed["subrequest_threads"],
+        concurrency_mode=parsed["concurrency_mode"],
         stage_model_repositories=tuple(
-            p.strip() for p in parameters.get("stage_model_repositories", "").split(",") if p.strip()),
-        gpu_tensors=choice("gpu_tensors", GPU_TENSORS) == "on",
+            p.strip() for p in parsed["stage_model_repositories"].split(",") if p.strip()),
+        gpu_tensors=parsed.get("gpu_tensors", "off") == "on",
+        options={name: value for name, value in parsed.items()
+                 if name not in _COMMON_NAMES | stage_names},
     )
     if problems:
         raise ConfigError("; ".join(problems))

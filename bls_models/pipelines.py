@@ -1,7 +1,8 @@
 """What the orchestrators compute, with no Triton in sight.
 
-Each pipeline is an ``async`` function over numpy arrays that reaches its sub-models only through
-``call(stage, inputs, output_names)``. In the server that is the runtime's sub-request wrapper
+Each pipeline is an ``async`` function ``run(inputs, call, setup)`` over numpy arrays that reaches
+its sub-models only through ``call(stage, inputs, output_names)``; its ``PipelineDef`` in
+``spec`` names it. In the server that is the runtime's sub-request wrapper
 (deadline, error classification, metrics); in the unit tests it is a fake. A pipeline raises
 ``PipelineError`` for anything the client should hear about.
 """
@@ -14,6 +15,7 @@ from typing import Awaitable, Callable, Protocol, Sequence
 import numpy as np
 
 from bls_models import spec as S
+from bls_models.definition import Setup
 from bls_models.errors import InvalidInput, PipelineError
 
 
@@ -73,39 +75,45 @@ def validate_tokens(tokens: np.ndarray) -> None:
 
 
 async def image_pipeline(inputs: dict[str, np.ndarray], call: SubModelCall,
-                         fanout: str = "concurrent") -> dict[str, np.ndarray]:
-    """IMAGE -> preprocess -> (classifier || embedder) -> CLASS_IDS, CLASS_PROBS, EMBEDDING."""
-    pixels = (await call("preprocess", {"IMAGE": inputs["IMAGE"]}, ["PIXELS"]))["PIXELS"]
-    branches = (call("classifier", {"PIXELS": pixels}, ["LOGITS"]),
-                call("embedder", {"PIXELS": pixels}, ["EMBEDDING"]))
-    if fanout == "sequential":  # the benchmark's baseline: one branch after the other
+                         setup: Setup = Setup()) -> dict[str, np.ndarray]:
+    """IMAGE -> preprocess -> (classifier || embedder) -> CLASS_IDS, CLASS_PROBS, EMBEDDING.
+
+    ``setup.options["fanout"]``: "concurrent" (default) or "sequential" (benchmark baseline).
+    """
+    pixels = (await call("preprocess", {S.IMAGE.name: inputs[S.IMAGE.name]},
+                         [S.PIXELS.name]))[S.PIXELS.name]
+    branches = (call("classifier", {S.PIXELS.name: pixels}, [S.CLASS_LOGITS.name]),
+                call("embedder", {S.PIXELS.name: pixels}, [S.EMBEDDING.name]))
+    if setup.options.get("fanout") == "sequential":  # one branch after the other
         classified, embedded = [await branch for branch in branches]
     else:
         classified, embedded = await gather_all(*branches)
-    ids, probs = softmax_top_k(classified["LOGITS"])
-    return {"CLASS_IDS": ids, "CLASS_PROBS": probs, "EMBEDDING": embedded["EMBEDDING"]}
+    ids, probs = softmax_top_k(classified[S.CLASS_LOGITS.name])
+    return {S.CLASS_IDS.name: ids, S.CLASS_PROBS.name: probs,
+            S.EMBEDDING.name: embedded[S.EMBEDDING.name]}
 
 
 def _reduce_tagger_outputs(outputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    tags, probs = reduce_tags(outputs["LOGITS"])
-    return {"TAGS": tags, "TAG_PROBS": probs}
+    tags, probs = reduce_tags(outputs[S.TAG_LOGITS.name])
+    return {S.TAGS.name: tags, S.TAG_PROBS.name: probs}
 
 
 async def tag_pipeline(inputs: dict[str, np.ndarray], call: SubModelCall,
-                       reduced_by_model: bool = True) -> dict[str, np.ndarray]:
+                       setup: Setup = Setup()) -> dict[str, np.ndarray]:
     """TOKENS -> tagger -> TAGS, TAG_PROBS.
 
-    The 28.7 MB-per-sequence logits never leave the server. With ``reduced_by_model`` the
-    tagger stage's model computes TAGS and TAG_PROBS in its own graph (``tagger_tags``), so the
-    logits never leave ONNX Runtime either. Otherwise the stage model returns LOGITS and they are
-    reduced where they land (no copy): the caller runs the reduction on the sub-response's
-    memory, off the event loop.
+    The 28.7 MB-per-sequence logits never leave the server. When the tagger stage's model meets
+    the ``tagger_tags`` contract (the default; ``setup.contracts``), it computes TAGS and
+    TAG_PROBS in its own graph, so the logits never leave ONNX Runtime either. A model with the
+    tagger's LOGITS instead has them reduced where they land (no copy): the caller runs the
+    reduction on the sub-response's memory, off the event loop.
     """
-    tokens = inputs["TOKENS"]
+    tokens = inputs[S.TOKENS.name]
     validate_tokens(tokens)
-    if reduced_by_model:
-        return await call("tagger", {"TOKENS": tokens}, ["TAGS", "TAG_PROBS"])
-    return await call("tagger", {"TOKENS": tokens}, ["LOGITS"], reduce=_reduce_tagger_outputs)
+    if S.reduces_tags(setup.contracts.get("tagger", S.TAGGER_TAGS)):
+        return await call("tagger", {S.TOKENS.name: tokens}, [S.TAGS.name, S.TAG_PROBS.name])
+    return await call("tagger", {S.TOKENS.name: tokens}, [S.TAG_LOGITS.name],
+                      reduce=_reduce_tagger_outputs)
 
 
 async def gather_all(*awaitables: Awaitable) -> list:
@@ -124,7 +132,71 @@ async def gather_all(*awaitables: Awaitable) -> list:
     return results
 
 
-PIPELINES = {
-    "pipeline": image_pipeline,
-    "tag_pipeline": tag_pipeline,
-}
+class _ContractCall:
+    """A ``call`` that holds each sub-request to the contract its stage's model meets and answers
+    with zeros of the contract's shapes (``contract_problems``)."""
+
+    def __init__(self, contracts: dict[str, S.ModelSpec]) -> None:
+        self.contracts, self.problems, self.stages = contracts, [], set()
+
+    async def __call__(self, stage, inputs, outputs, reduce=None):
+        contract = self.contracts.get(stage)
+        if contract is None:
+            raise AssertionError(f"a sub-request to stage '{stage}', which the pipeline lacks")
+        self.stages.add(stage)
+        names = f"stage '{stage}' (a model like '{contract.name}')"
+        given, wanted = set(inputs), {t.name for t in contract.inputs}
+        if given != wanted:
+            self.problems.append(f"{names} takes {sorted(wanted)}, the pipeline sent "
+                                 f"{sorted(given)}")
+        for name, value in inputs.items():
+            if name in wanted:
+                tensor = contract.input(name)
+                if (tuple(value.shape[1:]) != tensor.dims
+                        or np.dtype(value.dtype) != np.dtype(S.DTYPES[tensor.dtype])):
+                    self.problems.append(
+                        f"{names}: input '{name}' is {value.dtype} {list(value.shape[1:])}, the "
+                        f"contract says {tensor.dtype} {list(tensor.dims)}")
+        unknown = [n for n in outputs if n not in {t.name for t in contract.outputs}]
+        if unknown:
+            self.problems.append(f"{names} has no output {unknown}")
+        batch = len(next(iter(inputs.values()))) if inputs else 1
+        result = {t.name: np.zeros((batch, *t.dims), S.DTYPES[t.dtype])
+                  for t in contract.outputs if t.name in outputs}
+        return reduce(result) if reduce else result
+
+
+def contract_problems(definition, batch: int = 1) -> list[str]:
+    """Run ``definition`` once for every combination of the contracts its stage models may meet,
+    on zeros and a fake ``call``, and say what breaks its contracts: a sub-request with a tensor
+    name, shape or dtype its stage's contract lacks, a stage never called, an output missing or of
+    the wrong shape or dtype. Run by ``python -m modelgen.configs --pipeline`` and the tests; no
+    server needed."""
+    import itertools
+
+    problems: list[str] = []
+    stages = list(definition.contracts)
+    for chosen in itertools.product(*definition.contracts.values()):
+        contracts = dict(zip(stages, chosen))
+        call = _ContractCall(contracts)
+        inputs = {t.name: np.zeros((batch, *t.dims), S.DTYPES[t.dtype]) for t in definition.inputs}
+        setup = Setup(options=definition.parse({}).options, contracts=contracts)
+        where = ", ".join(f"{s} like '{c.name}'" for s, c in contracts.items())
+        try:
+            outputs = asyncio.run(definition.run_function()(inputs, call, setup))
+        except Exception as error:  # noqa: BLE001 - reported, with the contracts it ran under
+            problems.append(f"with {where}: the pipeline raised {type(error).__name__}: {error}")
+            continue
+        problems += [f"with {where}: {p}" for p in call.problems]
+        for stage in sorted(set(stages) - call.stages):
+            problems.append(f"with {where}: stage '{stage}' was never called")
+        for tensor in definition.outputs:
+            value = outputs.get(tensor.name)
+            if value is None:
+                problems.append(f"with {where}: no output '{tensor.name}'")
+            elif (tuple(value.shape) != (batch, *tensor.dims)
+                  or np.dtype(value.dtype) != np.dtype(S.DTYPES[tensor.dtype])):
+                problems.append(f"with {where}: output '{tensor.name}' is {value.dtype} "
+                                f"{list(value.shape)}, the pipeline declares {tensor.dtype} "
+                                f"{[batch, *tensor.dims]}")
+    return problems

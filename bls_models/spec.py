@@ -1,7 +1,8 @@
 """The contract of every model in the repository: one source of truth.
 
 Tensor names, dtypes and shapes defined here are used by the ONNX exporter (``modelgen``),
-by the ``config.pbtxt`` generator, by the orchestrators and by the tests. Nothing here imports
+by the ``config.pbtxt`` generator, by the orchestrators and by the tests; the orchestrators
+themselves are defined here too, one ``PipelineDef`` each (``bls_models/definition.py``). Nothing here imports
 Triton, numpy or torch, so the orchestrators can use it inside the python-backend stub and the
 unit tests can use it anywhere.
 
@@ -11,7 +12,11 @@ and Triton prepends the batch axis.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
+
+from bls_models import params
+from bls_models.definition import (BatchingSpec, EnsembleStep, ModelSpec, PipelineDef,  # noqa: F401
+                                   StageDef, TensorSpec, register)
 
 # ImageNet normalisation applied by `preprocess`.
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
@@ -32,71 +37,6 @@ DTYPES: dict[str, str] = {
     "TYPE_BOOL": "bool", "TYPE_UINT8": "uint8", "TYPE_INT32": "int32", "TYPE_INT64": "int64",
     "TYPE_FP16": "float16", "TYPE_FP32": "float32", "TYPE_STRING": "object",
 }
-
-
-@dataclass(frozen=True)
-class TensorSpec:
-    name: str
-    dtype: str  # Triton model-config dtype, e.g. "TYPE_FP32"
-    dims: tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class BatchingSpec:
-    """Dynamic batching and queue policy of one model.
-
-    ``queue_timeout_us`` is the queue policy's ``default_timeout_microseconds``: the upper bound a
-    request may wait in this model's queue. A per-request timeout (the BLS ``timeout``) can only
-    lower it (``allow_timeout_override``), never raise it, so it must be set (0 would disable
-    overrides). ``max_queue_size`` bounds the queue: beyond it requests are rejected at once.
-    """
-
-    preferred_batch_sizes: tuple[int, ...]
-    max_queue_delay_us: int
-    queue_timeout_us: int = 10_000_000
-    max_queue_size: int = 256
-
-
-@dataclass(frozen=True)
-class EnsembleStep:
-    model: str
-    input_map: dict[str, str]   # the step model's input name -> ensemble tensor name
-    output_map: dict[str, str]  # the step model's output name -> ensemble tensor name
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    name: str
-    backend: str  # "onnxruntime", "python", or "" for an ensemble (see `platform`)
-    inputs: tuple[TensorSpec, ...]
-    outputs: tuple[TensorSpec, ...]
-    max_batch_size: int
-    batching: BatchingSpec | None  # None: no dynamic batcher (ensembles)
-    # Instances per device (KIND_AUTO: one group of `instance_count` on each GPU in the container,
-    # CPU instances locally). At least 2 wherever a queue policy is set: with a single instance
-    # the dynamic batcher's policy queue stalled in ~500 ms steps under bursts (measured).
-    instance_count: int = 2
-    # Only where a kind is required: the BLS orchestrators are KIND_CPU (they compute nothing on
-    # a GPU, so their instance count must not multiply with the number of GPUs).
-    kind: str | None = None
-    platform: str = ""
-    decoupled: bool = False  # model_transaction_policy (only the measured alternative uses it)
-    parameters: dict[str, str] = field(default_factory=dict)
-    ensemble_steps: tuple[EnsembleStep, ...] = ()
-    description: str = ""
-
-    def input(self, name: str) -> TensorSpec:
-        return _by_name(self.inputs, name, self.name)
-
-    def output(self, name: str) -> TensorSpec:
-        return _by_name(self.outputs, name, self.name)
-
-
-def _by_name(tensors: tuple[TensorSpec, ...], name: str, model: str) -> TensorSpec:
-    for tensor in tensors:
-        if tensor.name == name:
-            return tensor
-    raise KeyError(f"model '{model}' has no tensor '{name}'")
 
 
 IMAGE = TensorSpec("IMAGE", "TYPE_UINT8", (IMAGE_SIZE, IMAGE_SIZE, 3))
@@ -197,55 +137,52 @@ POSTPROCESS = ModelSpec(
 ONNX_MODELS: tuple[ModelSpec, ...] = (PREPROCESS, CLASSIFIER, EMBEDDER, TAGGER, TAGGER_TAGS,
                                        POSTPROCESS)
 
-# The BLS orchestrators answer through response senders, so their queue empties as fast as
-# requests arrive; the queue policy still applies the client's timeout to time spent queued and
-# bounds the queue when the orchestrator applies backpressure (max_inflight_requests).
-_BLS_BATCHING = BatchingSpec(preferred_batch_sizes=(), max_queue_delay_us=0,
-                             queue_timeout_us=30_000_000, max_queue_size=4096)
+def reduces_tags(contract: ModelSpec) -> bool:
+    """Whether a tagger-stage model answers with TAGS and TAG_PROBS itself."""
+    return {TAGS, TAG_PROBS} <= set(contract.outputs)
 
-PIPELINE = ModelSpec(
+
+# The BLS orchestrators: one definition each (bls_models/definition.py). Their ModelSpecs, config
+# parameters and defaults, stage checks and metric series all derive from these.
+FANOUT = params.Param(
+    "fanout", "concurrent",
+    "`sequential` awaits the branches one after the other (benchmark baseline only)",
+    choices=("concurrent", "sequential"), listed=False)
+
+PIPELINE_DEF = PipelineDef(
     name="pipeline",
-    backend="python",
     inputs=(IMAGE,),
     outputs=(CLASS_IDS, CLASS_PROBS, EMBEDDING),
+    # PIXELS only flows into the classifier and the embedder: with gpu_tensors on, it stays on
+    # the GPU.
+    stages=(StageDef("preprocess", (PREPROCESS,), pass_through=(PIXELS.name,)),
+            StageDef("classifier", (CLASSIFIER,)),
+            StageDef("embedder", (EMBEDDER,))),
+    run="bls_models.pipelines:image_pipeline",
     max_batch_size=16,
-    batching=_BLS_BATCHING,
-    kind="KIND_CPU",
-    parameters={
-        "preprocess_model": "preprocess",
-        "classifier_model": "classifier",
-        "embedder_model": "embedder",
-        "preprocess_timeout_ms": "0",
-        "classifier_timeout_ms": "0",
-        "embedder_timeout_ms": "0",
-        "default_deadline_ms": "10000",
-        "max_inflight_requests": "512",
-        "subrequest_threads": "64",
-    },
+    parameters=(FANOUT,),
     description="BLS: preprocess, then classifier and embedder concurrently; top-5 + embedding",
 )
-TAG_PIPELINE = ModelSpec(
+TAG_PIPELINE_DEF = PipelineDef(
     name="tag_pipeline",
-    backend="python",
     inputs=(TOKENS,),
     outputs=(TAGS, TAG_PROBS),
+    # The tagger with its reduction in the graph by default; a model with the tagger's LOGITS
+    # output also works (the orchestrator then reduces the 28.7 MB of logits per sequence itself,
+    # measured slower). The load-time check decides which contract the configured model meets.
+    stages=(StageDef("tagger", (TAGGER_TAGS, TAGGER)),),
+    run="bls_models.pipelines:tag_pipeline",
     max_batch_size=4,
-    batching=_BLS_BATCHING,
-    kind="KIND_CPU",
-    parameters={
-        # The tagger with its reduction in the graph (`tagger` also works: the orchestrator then
-        # reduces the 28.7 MB of logits per sequence itself, measured slower).
-        "tagger_model": "tagger_tags",
-        "tagger_timeout_ms": "0",
-        "default_deadline_ms": "10000",
-        "max_inflight_requests": "256",
-        # With a LOGITS tagger as the stage model, each response holding 28.7 MB per sequence
-        # sits in this stub's shared memory until reduced: the thread count bounds that
-        # (8 x 4 x 28.7 MB at most).
-        "subrequest_threads": "8",
-    },
+    # With a LOGITS tagger as the stage model, each response holding 28.7 MB per sequence sits in
+    # this stub's shared memory until reduced: the thread count bounds that (8 x 4 x 28.7 MB).
+    defaults={"max_inflight_requests": "256", "subrequest_threads": "8"},
     description="BLS: tagger, reduced on the server to per-token argmax and its probability",
 )
+PIPELINE_DEFS: tuple[PipelineDef, ...] = (PIPELINE_DEF, TAG_PIPELINE_DEF)
+register(*PIPELINE_DEFS)
+
+PIPELINE = PIPELINE_DEF.model_spec()
+TAG_PIPELINE = TAG_PIPELINE_DEF.model_spec()
 PIPELINE_ENSEMBLE = ModelSpec(
     name="pipeline_ensemble",
     backend="",
@@ -255,45 +192,20 @@ PIPELINE_ENSEMBLE = ModelSpec(
     max_batch_size=16,
     batching=None,
     instance_count=0,
+    # Between steps, PIXELS and LOGITS travel as the ensemble's internal tensors "pixels" and
+    # "logits"; the rest keep their names.
     ensemble_steps=(
-        EnsembleStep("preprocess", {"IMAGE": "IMAGE"}, {"PIXELS": "pixels"}),
-        EnsembleStep("classifier", {"PIXELS": "pixels"}, {"LOGITS": "logits"}),
-        EnsembleStep("embedder", {"PIXELS": "pixels"}, {"EMBEDDING": "EMBEDDING"}),
-        EnsembleStep("postprocess", {"LOGITS": "logits"},
-                     {"CLASS_IDS": "CLASS_IDS", "CLASS_PROBS": "CLASS_PROBS"}),
+        EnsembleStep(PREPROCESS.name, {IMAGE.name: IMAGE.name}, {PIXELS.name: "pixels"}),
+        EnsembleStep(CLASSIFIER.name, {PIXELS.name: "pixels"}, {CLASS_LOGITS.name: "logits"}),
+        EnsembleStep(EMBEDDER.name, {PIXELS.name: "pixels"}, {EMBEDDING.name: EMBEDDING.name}),
+        EnsembleStep(POSTPROCESS.name, {CLASS_LOGITS.name: "logits"},
+                     {CLASS_IDS.name: CLASS_IDS.name, CLASS_PROBS.name: CLASS_PROBS.name}),
     ),
     description="Ensemble computing what `pipeline` computes (the benchmark's baseline)",
 )
 
 BLS_MODELS: tuple[ModelSpec, ...] = (PIPELINE, TAG_PIPELINE)
 ALL_MODELS: tuple[ModelSpec, ...] = (*ONNX_MODELS, *BLS_MODELS, PIPELINE_ENSEMBLE)
-
-# Each orchestrator's stages and, per stage, the contracts a stage model may meet (the sub-model
-# specs whose tensors it must have), the default model's first. The tagger stage takes either a
-# model that reduces in its graph (TAGS, TAG_PROBS) or one that returns LOGITS, which the
-# orchestrator then reduces itself.
-STAGES: dict[str, dict[str, tuple[ModelSpec, ...]]] = {
-    "pipeline": {"preprocess": (PREPROCESS,), "classifier": (CLASSIFIER,), "embedder": (EMBEDDER,)},
-    "tag_pipeline": {"tagger": (TAGGER_TAGS, TAGGER)},
-}
-
-
-def default_stage_models(pipeline: str) -> dict[str, str]:
-    """Stage -> the model it calls unless its ``<stage>_model`` parameter says otherwise."""
-    return {stage: accepted[0].name for stage, accepted in STAGES[pipeline].items()}
-
-
-# Stage outputs the orchestrator never computes on or returns: they only flow into other stages,
-# so with `gpu_tensors: "on"` they stay on the GPU (stage -> output names).
-PASS_THROUGH: dict[str, dict[str, tuple[str, ...]]] = {
-    "pipeline": {"preprocess": ("PIXELS",)},
-    "tag_pipeline": {},
-}
-
-
-def reduces_tags(contract: ModelSpec) -> bool:
-    """Whether a tagger-stage model answers with TAGS and TAG_PROBS itself."""
-    return {TAGS, TAG_PROBS} <= set(contract.outputs)
 
 
 def model(name: str) -> ModelSpec:

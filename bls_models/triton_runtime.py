@@ -27,7 +27,7 @@ Design (docs/orchestrator.md has the measurements behind it):
   counted as abandoned and its result dropped. One whose deadline passed before a thread picked
   it up is never sent.
 * **GPU tensors** (``gpu_tensors: "on"``). Outputs that only flow into other stages
-  (``spec.PASS_THROUGH``, e.g. preprocess's PIXELS) are requested in GPU memory and kept as a
+  (a stage's ``pass_through`` in its ``PipelineDef``, e.g. preprocess's PIXELS) are requested in GPU memory and kept as a
   ``DeviceTensor``: a DLPack-made ``pb_utils.Tensor`` that owns the sub-model's GPU buffer, never
   ``as_numpy()``-ed. It becomes the next stages' input by DLPack again, so the 602 KB per image
   never crosses to the host. Every other output is copied to numpy as before, and so is a
@@ -53,9 +53,10 @@ from pathlib import Path
 
 import numpy as np
 
-from bls_models import params, pipelines, repository
+from bls_models import params, repository
 from bls_models import spec as S
 from bls_models.deadline import Deadline
+from bls_models.definition import PipelineDef, Setup, registered
 from bls_models.errors import (Cancelled, Code, DeadlineExceeded, Kind, PipelineError,
                                sub_request_failed)
 from bls_models.metrics import FLUSH_SECONDS, Metrics
@@ -139,24 +140,24 @@ class Outcome:
 
 
 class Orchestrator:
-    def __init__(self, pb_utils, args: dict, pipeline: str) -> None:
+    def __init__(self, pb_utils, args: dict, pipeline: PipelineDef | str) -> None:
         self.pb = pb_utils
         self.model = args["model_name"]
         config = json.loads(args["model_config"])
-        contracts = S.STAGES[pipeline]
-        self.config = params.parse(params.string_parameters(config),
-                                   S.default_stage_models(pipeline))
+        self.definition = pipeline if isinstance(pipeline, PipelineDef) else registered(pipeline)
+        self.config = self.definition.parse(params.string_parameters(config))
         # This model's own repository first (the parent of its directory), then any others.
         repositories = [Path(args["model_repository"]).parent,
                         *(Path(p) for p in self.config.stage_model_repositories)]
         # Which contract each stage model meets decides, e.g., whether the tagger reduces.
         self.contracts, problems = repository.resolve_stages(repositories, self.config.stages,
-                                                             contracts)
+                                                             self.definition.contracts)
         if problems:
             raise params.ConfigError("; ".join(problems))
+        self.run = self.definition.run_function()
+        self.setup = Setup(options=self.config.options, contracts=self.contracts)
         self.input_names = [t["name"] for t in config["input"]]
         self.output_dtypes = {t["name"]: _NUMPY[t["data_type"]] for t in config["output"]}
-        self.pipeline = pipeline
         # gpu_tensors: a stage's pass-through outputs stay on the GPU only if its model is
         # configured KIND_GPU (the GPU profiles). Asking a CPU instance for GPU output memory
         # fails the sub-request ("BackendMemory::Create, all allocation types failed", verified
@@ -164,7 +165,7 @@ class Orchestrator:
         # the copy: the fallback.
         kinds = repository.stage_kinds(repositories, self.config.stages)
         self.pass_through = {
-            stage: names for stage, names in S.PASS_THROUGH[pipeline].items()
+            stage: names for stage, names in self.definition.pass_through.items()
             if self.config.gpu_tensors and kinds.get(stage) == {"KIND_GPU"}}
 
         # Re-entrant: logging (a pb_utils call) takes it too, also from code that holds it.
@@ -180,15 +181,17 @@ class Orchestrator:
                                        daemon=True)
         self.thread.start()
         self.loop.call_soon_threadsafe(self._flush_metrics)
-        self.log(f"orchestrating '{pipeline}': " + ", ".join(
+        self.log(f"orchestrating '{self.definition.name}': " + ", ".join(
             f"{s.name} -> {s.model} (as {self.contracts[s.name].name})"
             + (f" (timeout {s.timeout_ms} ms)" if s.timeout_ms else "")
             for s in self.config.stages.values())
             + f"; default deadline {self.config.default_deadline_ms} ms, "
-            f"{self.config.concurrency_mode}, fan-out {self.config.fanout}")
+            f"{self.config.concurrency_mode}"
+            + "".join(f", {name} {value}" for name, value in self.config.options.items()))
         if self.config.gpu_tensors:
             kept = [f"{stage}'s {', '.join(names)}" for stage, names in self.pass_through.items()]
-            copied = [stage for stage in S.PASS_THROUGH[pipeline] if stage not in self.pass_through]
+            copied = [stage for stage in self.definition.pass_through
+                      if stage not in self.pass_through]
             self.log("gpu_tensors on: " + (f"kept on the GPU: {'; '.join(kept)}" if kept else
                                             "nothing kept on the GPU")
                      + (f"; copied to CPU (stage model not KIND_GPU): {', '.join(copied)}"
@@ -260,11 +263,7 @@ class Orchestrator:
         self._send(job, outputs, error)
 
     async def _run(self, job: Job) -> dict[str, np.ndarray]:
-        call = functools.partial(self._call, job)
-        if self.pipeline == "pipeline":
-            return await pipelines.image_pipeline(job.inputs, call, self.config.fanout)
-        return await pipelines.tag_pipeline(job.inputs, call,
-                                            S.reduces_tags(self.contracts["tagger"]))
+        return await self.run(job.inputs, functools.partial(self._call, job), self.setup)
 
     def _send(self, job: Job, outputs: dict[str, np.ndarray] | None,
               error: PipelineError | None) -> None:
@@ -472,3 +471,26 @@ class Orchestrator:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def python_model(pipeline: PipelineDef | str) -> type:
+    """The ``TritonPythonModel`` class of an orchestrator running ``pipeline`` (a definition, or
+    the name of a registered one). A model.py is then one line: ``TritonPythonModel =
+    python_model(...)``; every request is answered through its response sender."""
+    name = pipeline if isinstance(pipeline, str) else pipeline.name
+
+    class TritonPythonModel:
+        def initialize(self, args):
+            import triton_python_backend_utils as pb_utils
+
+            self.orchestrator = Orchestrator(pb_utils, args, pipeline)
+
+        def execute(self, requests):
+            return self.orchestrator.execute(requests)
+
+        def finalize(self):
+            self.orchestrator.close()
+
+    TritonPythonModel.pipeline = pipeline  # what modelgen.configs renders the config from
+    TritonPythonModel.__qualname__ = f"TritonPythonModel[{name}]"
+    return TritonPythonModel

@@ -37,6 +37,7 @@ from pathlib import Path
 from google.protobuf import text_format
 
 from bls_models import spec as S
+from bls_models.definition import registered
 from modelgen import configs
 
 PROFILES = ("gpu", "gpu-ort-trt", "gpu-trt")
@@ -91,7 +92,7 @@ def profile_config(model: S.ModelSpec, profile: str, cache: str = DEFAULT_CACHE)
                            "max_workspace_size_bytes": str(TRT_WORKSPACE_BYTES),
                            "trt_engine_cache_enable": "1",
                            "trt_engine_cache_path": f"{cache}/ort-trt/{model.name}"}}]}}
-    if model.name in S.PASS_THROUGH and S.PASS_THROUGH[model.name]:
+    if model.orchestrates and registered(model.orchestrates).pass_through:
         # Pass-through outputs (PIXELS) stay on the GPU between stages (DLPack).
         config["parameters"]["gpu_tensors"] = {"string_value": "on"}
     if profile == "gpu-trt" and model.name == S.PIPELINE.name:
@@ -148,15 +149,15 @@ def write(profile: str, source: Path, out: Path, cache: str = DEFAULT_CACHE) -> 
 
 def stage_problems(repository: Path) -> list[str]:
     """Each orchestrator's stages against ``repository``, as the orchestrator checks them."""
-    from bls_models import params, repository as repo_check
+    from bls_models import repository as repo_check
 
     problems = []
     for model in S.BLS_MODELS:
         config = configs.parse_pbtxt((repository / model.name / "config.pbtxt").read_text())
-        values = {k: v.string_value for k, v in config.parameters.items()}
-        stages = params.parse(values, S.default_stage_models(model.name)).stages
+        definition = registered(model.orchestrates)
+        stages = definition.parse({k: v.string_value for k, v in config.parameters.items()}).stages
         problems += [f"{model.name}: {p}" for p in repo_check.stage_problems(
-            [repository], stages, S.STAGES[model.name])]
+            [repository], stages, definition.contracts)]
     return problems
 
 

@@ -115,16 +115,9 @@ def real_model_variants(real_repository: Path) -> tuple[S.ModelSpec, ...]:
                 stage_model_repositories=str(real_repository)),
     )
 
-BASE_OF = {"pipeline_faulty": "pipeline", "tag_pipeline_faulty": "tag_pipeline",
-           "pipeline_queue": "pipeline", "pipeline_crash": "pipeline",
-           "pipeline_slow": "pipeline", "pipeline_admission": "pipeline",
-           "pipeline_gpu_tensors": "pipeline", "pipeline_poison": "pipeline"}
-
-
-def build(target: Path, real_repository: Path, variants=None, base_of=None) -> Path:
+def build(target: Path, real_repository: Path, variants=None) -> Path:
     """Write the fault models and ``variants`` (default: VARIANTS and the real-model variants)
     into ``target`` (a fresh directory)."""
-    base_of = base_of or BASE_OF
     if variants is None:
         variants = (*VARIANTS, *real_model_variants(real_repository))
     for model in FAULT_MODELS:
@@ -136,7 +129,7 @@ def build(target: Path, real_repository: Path, variants=None, base_of=None) -> P
     for model in CONTENDED:
         write_onnx(target, model, real_repository / S.CLASSIFIER.name / "1" / "model.onnx")
     for model in variants:
-        write(target, model, real_repository / base_of[model.name] / "1" / "model.py")
+        write(target, model)
     return target
 
 
@@ -147,7 +140,12 @@ def write_onnx(target: Path, model: S.ModelSpec, onnx_file: Path) -> None:
     shutil.copy(onnx_file, target / model.name / "1" / "model.onnx")
 
 
-def write(target: Path, model: S.ModelSpec, source: Path) -> None:
+def write(target: Path, model: S.ModelSpec, source: Path | None = None) -> None:
+    """A python-backend model: its config, and ``source`` as its model.py (an orchestrator's
+    model.py names the pipeline it ``orchestrates``: generated)."""
     (target / model.name / "1").mkdir(parents=True)
     (target / model.name / "config.pbtxt").write_text(configs.render(model))
-    shutil.copy(source, target / model.name / "1" / "model.py")
+    if model.orchestrates:
+        (target / model.name / "1" / "model.py").write_text(configs.model_py(model.orchestrates))
+    else:
+        shutil.copy(source, target / model.name / "1" / "model.py")

@@ -300,7 +300,7 @@ def test_an_orchestrator_naming_a_missing_stage_model_fails_to_load(repository, 
                                                          "classifier_model": "classifier_v9",
                                                          "embedder_model": "classifier"})
     repo = make_repository(tmp_path / "repo", repository, S.PREPROCESS, S.CLASSIFIER)
-    variants.write(repo, broken, repository / "pipeline" / "1" / "model.py")
+    variants.write(repo, broken)
     with pytest.raises(LauncherError) as failure:
         TritonServer(options(repo, tmp_path)).start()
     message = str(failure.value)

@@ -18,6 +18,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 
 from bls_models import spec as S
+from bls_models.definition import registered
 from bls_models.metrics import FAMILIES, known_series
 from tests.live.support import (SLACK, STATUS, assert_on_time, drive, eventually, image,
                                 inference_count, metric, metrics_text, request_inputs, settled,
@@ -299,7 +300,7 @@ def test_every_known_series_is_exported_from_load(server):
         if match:
             samples.add((match.group(1), frozenset(re.findall(r'(\w+)="([^"]*)"', match.group(2)))))
     for model in S.BLS_MODELS:
-        for family, labels in known_series(S.STAGES[model.name]):
+        for family, labels in known_series(registered(model.orchestrates).contracts):
             name = f"{family}_count" if FAMILIES[family][0] == "HISTOGRAM" else family
             wanted = frozenset({"model": model.name, **labels}.items())
             assert any(n == name and wanted <= found for n, found in samples), (name, wanted)

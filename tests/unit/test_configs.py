@@ -9,6 +9,7 @@ import pytest
 from tritonclient.grpc import model_config_pb2
 
 from bls_models import spec as S
+from bls_models.definition import registered
 from modelgen import configs, export
 
 MODELS = [m.name for m in S.ALL_MODELS]
@@ -64,7 +65,7 @@ def tensors_of(config) -> dict[str, tuple[int, tuple[int, ...]]]:
 def test_every_tensor_an_orchestrator_uses_exists_in_its_sub_models(repository, orchestrator):
     config = committed(repository, orchestrator.name)
     parameters = {k: v.string_value for k, v in config.parameters.items()}
-    for stage, accepted in S.STAGES[orchestrator.name].items():
+    for stage, accepted in registered(orchestrator.orchestrates).contracts.items():
         sub_model = parameters[f"{stage}_model"]
         sub_tensors = tensors_of(committed(repository, sub_model))
         contract = accepted[0]  # the committed stage model is the default contract's
@@ -125,11 +126,11 @@ def test_the_python_backend_thread_pool_exceeds_every_orchestrators_subrequest_t
     """Each BLS call in flight holds one of the python backend's per-instance server threads and
     each response sent needs one: with no spare thread, responses wait behind sub-requests to a
     slow model (tests/live/test_degradation.py saw deadline errors 0.9 s late)."""
-    from bls_models.params import DEFAULTS
     from modelgen import variants
     from tritonlocal import ServerOptions
 
     pool = ServerOptions(model_repository=".").python_thread_pool
     orchestrators = [*S.BLS_MODELS, *variants.VARIANTS]
-    threads = {m.name: int(m.parameters.get("subrequest_threads", DEFAULTS["subrequest_threads"])) for m in orchestrators}
+    threads = {m.name: registered(m.orchestrates).parse(m.parameters).subrequest_threads
+               for m in orchestrators}
     assert max(threads.values()) < pool, threads

@@ -5,6 +5,8 @@ path runs live on this CPU-only server as the fallback (tests/live/test_pipeline
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -84,17 +86,19 @@ def test_a_missing_output_keeps_nothing():
 
 
 def test_only_pass_through_outputs_are_kept_and_the_parameter_parses():
-    assert S.PASS_THROUGH["pipeline"] == {"preprocess": ("PIXELS",)}
-    # Every pass-through output is an input of a later stage, never an orchestrator output.
-    for pipeline, stages in S.PASS_THROUGH.items():
-        final = {t.name for t in S.model(pipeline).outputs}
-        for stage, names in stages.items():
-            assert not set(names) & final
-    stages = {"preprocess": "preprocess", "classifier": "classifier", "embedder": "embedder"}
-    assert params.parse({"gpu_tensors": "on"}, stages).gpu_tensors is True
-    assert params.parse({}, stages).gpu_tensors is False
+    assert S.PIPELINE_DEF.pass_through == {"preprocess": ("PIXELS",)}
+    assert S.TAG_PIPELINE_DEF.pass_through == {}
+    # A pass-through output must be the stage's output and never the pipeline's.
+    with pytest.raises(ValueError, match="pass-through"):
+        dataclasses.replace(S.PIPELINE_DEF, outputs=(*S.PIPELINE_DEF.outputs, S.PIXELS))
+    with pytest.raises(ValueError, match="pass-through"):
+        dataclasses.replace(S.PIPELINE_DEF, stages=(
+            S.StageDef("preprocess", (S.PREPROCESS,), pass_through=("LOGITS",)),
+            *S.PIPELINE_DEF.stages[1:]))
+    assert S.PIPELINE_DEF.parse({"gpu_tensors": "on"}).gpu_tensors is True
+    assert S.PIPELINE_DEF.parse({}).gpu_tensors is False
     with pytest.raises(params.ConfigError, match="gpu_tensors"):
-        params.parse({"gpu_tensors": "yes"}, stages)
+        S.PIPELINE_DEF.parse({"gpu_tensors": "yes"})
 
 
 def test_the_placement_follows_the_stage_models_instance_kind(repository, tmp_path):
@@ -103,8 +107,7 @@ def test_the_placement_follows_the_stage_models_instance_kind(repository, tmp_pa
     from bls_models.repository import stage_kinds
     from modelgen import profiles
 
-    stages = params.parse({}, {"preprocess": "preprocess", "classifier": "classifier",
-                               "embedder": "embedder"}).stages
+    stages = S.PIPELINE_DEF.parse({}).stages
     assert stage_kinds([repository], stages)["preprocess"] == {"KIND_AUTO"}
     profiles.write("gpu", repository, tmp_path / "gpu")
     assert stage_kinds([tmp_path / "gpu"], stages) == {s: {"KIND_GPU"} for s in stages}

@@ -4,6 +4,7 @@ deadlines and parameters."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 
 import numpy as np
@@ -12,6 +13,7 @@ import pytest
 from bls_models import params, pipelines
 from bls_models import spec as S
 from bls_models.deadline import Deadline
+from bls_models.definition import Setup, registered
 from bls_models.errors import (Code, DeadlineExceeded, InvalidInput, Kind, PipelineError,
                                classify_sub_error, sub_request_failed)
 
@@ -68,7 +70,7 @@ def test_branches_run_concurrently():
 
 def test_sequential_fanout_runs_one_branch_after_the_other():
     fake = FakeSubModels({"classifier": 0.05, "embedder": 0.05})
-    run(pipelines.image_pipeline(image_inputs(), fake, fanout="sequential"))
+    run(pipelines.image_pipeline(image_inputs(), fake, Setup(options={"fanout": "sequential"})))
     order = [(kind, stage) for kind, stage, _ in fake.log]
     assert order.index(("end", "classifier")) < order.index(("start", "embedder"))
 
@@ -112,7 +114,8 @@ def test_tag_pipeline_asks_the_tagger_for_what_it_reduces_or_reduces_logits_itse
         reduced_by_model, requested):
     fake = FakeSubModels({})
     tokens = np.ones((2, S.TAGGER_SEQ_LEN), np.int64)
-    out = run(pipelines.tag_pipeline({"TOKENS": tokens}, fake, reduced_by_model))
+    setup = Setup(contracts={"tagger": S.TAGGER_TAGS if reduced_by_model else S.TAGGER})
+    out = run(pipelines.tag_pipeline({"TOKENS": tokens}, fake, setup))
     assert fake.requested == requested
     assert set(out) == {"TAGS", "TAG_PROBS"}
     assert out["TAGS"].shape == (2, S.TAGGER_SEQ_LEN) and out["TAGS"].dtype == np.int64
@@ -193,37 +196,52 @@ def test_deadline_error_names_stage_model_and_is_unavailable():
     assert "deadline" in error.message and "'embedder'" in error.message and "250 ms" in error.message
 
 
-STAGES = {"preprocess": "preprocess", "classifier": "classifier"}
+IMAGE = S.PIPELINE_DEF
 
 
 def test_parameters_default_and_override():
-    config = params.parse({"classifier_model": "classifier_trt", "classifier_timeout_ms": "150",
-                           "default_deadline_ms": "2000"}, STAGES)
+    config = IMAGE.parse({"classifier_model": "classifier_trt", "classifier_timeout_ms": "150",
+                          "default_deadline_ms": "2000"})
     assert config.stage("classifier").model == "classifier_trt"
     assert config.stage("classifier").timeout_ms == 150
     assert config.stage("preprocess") == params.Stage("preprocess", "preprocess", 0)
     assert config.default_deadline_ms == 2000
-    assert (config.fanout, config.concurrency_mode) == ("concurrent", "event_loop")
+    assert (config.options, config.concurrency_mode) == ({"fanout": "concurrent"}, "event_loop")
 
 
 def test_bad_parameters_are_all_reported():
     with pytest.raises(params.ConfigError) as raised:
-        params.parse({"classifer_model": "x", "classifier_timeout_ms": "soon",
-                      "default_deadline_ms": "0", "fanout": "parallel"}, STAGES)
+        IMAGE.parse({"classifer_model": "x", "classifier_timeout_ms": "soon",
+                     "default_deadline_ms": "0", "fanout": "parallel"})
     message = str(raised.value)
     for fragment in ("unknown parameter 'classifer_model'", "'classifier_timeout_ms' must be an integer",
                      "'default_deadline_ms' must be >= 1", "'fanout' must be one of"):
         assert fragment in message
 
 
-def test_committed_bls_parameters_parse(repository):
+@pytest.mark.parametrize("key", ["fanout", "gpu_tensors", "classifier_model"])
+def test_a_parameter_the_pipeline_does_not_use_is_a_load_error(key):
+    """tag_pipeline has one stage and no pass-through outputs: these would do nothing there."""
+    assert key in {p.name for p in IMAGE.accepted()}
+    with pytest.raises(params.ConfigError, match=f"unknown parameter '{key}'"):
+        S.TAG_PIPELINE_DEF.parse({key: IMAGE.parse({}).options.get(key, "on")})
+
+
+def test_each_pipeline_has_its_own_defaults_and_the_common_ones():
+    image, tags = IMAGE.parse({}), S.TAG_PIPELINE_DEF.parse({})
+    assert (image.max_inflight_requests, image.subrequest_threads) == (512, 64)
+    assert (tags.max_inflight_requests, tags.subrequest_threads) == (256, 8)
+    assert image.default_deadline_ms == tags.default_deadline_ms == 10_000
+    assert tags.stage("tagger").model == "tagger_tags"
+
+
+@pytest.mark.parametrize("model", S.BLS_MODELS, ids=lambda m: m.name)
+def test_committed_bls_parameters_parse(model):
     from modelgen import configs
 
-    for model in S.BLS_MODELS:
-        parsed = params.parse(params.string_parameters(configs.config_dict(model)),
-                              {stage: accepted[0].name
-                               for stage, accepted in S.STAGES[model.name].items()})
-        assert set(parsed.stages) == set(S.STAGES[model.name])
+    definition = registered(model.orchestrates)
+    parsed = definition.parse(params.string_parameters(configs.config_dict(model)))
+    assert set(parsed.stages) == set(definition.contracts)
 
 
 def test_stage_models_are_checked_against_the_repository(repository, tmp_path):
@@ -231,10 +249,29 @@ def test_stage_models_are_checked_against_the_repository(repository, tmp_path):
 
     stages = {"classifier": params.Stage("classifier", "embedder", 0),
               "embedder": params.Stage("embedder", "missing_model", 0)}
-    problems = repo_check.stage_problems([tmp_path, repository], stages, S.STAGES["pipeline"])
+    problems = repo_check.stage_problems([tmp_path, repository], stages, IMAGE.contracts)
     assert any("'embedder'" in p and "no tensor 'LOGITS'" in p for p in problems)
     assert any("no model 'missing_model'" in p for p in problems)
-    good = {s: params.Stage(s, accepted[0].name, 0) for s, accepted in S.STAGES["pipeline"].items()}
-    assert repo_check.stage_problems([tmp_path, repository], good, S.STAGES["pipeline"]) == []
+    good = {s: params.Stage(s, accepted[0].name, 0) for s, accepted in IMAGE.contracts.items()}
+    assert repo_check.stage_problems([tmp_path, repository], good, IMAGE.contracts) == []
     assert "no model 'preprocess'" in " ".join(
-        repo_check.stage_problems([tmp_path], good, S.STAGES["pipeline"]))
+        repo_check.stage_problems([tmp_path], good, IMAGE.contracts))
+
+
+@pytest.mark.parametrize("definition", S.PIPELINE_DEFS, ids=lambda d: d.name)
+def test_each_pipeline_asks_each_stage_only_for_tensors_of_its_contract(definition):
+    assert pipelines.contract_problems(definition) == []
+
+
+def test_a_pipeline_that_strays_from_its_contracts_is_caught():
+    async def strays(inputs, call, setup):
+        pixels = await call("preprocess", {"IMAGE": inputs["IMAGE"]}, ["PIXELS"])
+        logits = await call("classifier", {"PIXELS": pixels["PIXELS"]}, ["EMBEDDING"])
+        return {"CLASS_IDS": logits.get("EMBEDDING"), "CLASS_PROBS": np.zeros((1, 5), np.float64)}
+
+    problems = pipelines.contract_problems(dataclasses.replace(IMAGE, run=strays))
+    assert any("stage 'classifier'" in p and "no output ['EMBEDDING']" in p for p in problems)
+    assert any("stage 'embedder' was never called" in p for p in problems)
+    assert any("no output 'CLASS_IDS'" in p for p in problems)
+    assert any("output 'CLASS_PROBS' is float64" in p for p in problems)
+    assert any("no output 'EMBEDDING'" in p for p in problems)

@@ -1,0 +1,233 @@
+"""The vocabulary of the repository's contracts, and of a BLS pipeline's one definition.
+
+``TensorSpec``, ``BatchingSpec`` and ``ModelSpec`` describe a model the way its ``config.pbtxt``
+does. A ``PipelineDef`` describes a BLS orchestrator completely: its tensors, its stages (each
+with the sub-model contracts it accepts, the default model's first, and the outputs that only
+flow into later stages), the parameters it accepts with their defaults, and the function that
+computes it. Everything else is derived from it: the orchestrator's ``ModelSpec`` (so its
+generated ``config.pbtxt``), the parameter check at load, the load-time stage-model check, the
+metrics' label series and the parameter table in docs/orchestrator.md. docs/extending.md shows
+how to add one.
+
+Pure Python: no Triton, no numpy (the run function is resolved only when a server loads it).
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field, replace
+from typing import Callable
+
+from bls_models import params
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    dtype: str  # Triton model-config dtype, e.g. "TYPE_FP32"
+    dims: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class BatchingSpec:
+    """Dynamic batching and queue policy of one model.
+
+    ``queue_timeout_us`` is the queue policy's ``default_timeout_microseconds``: the upper bound a
+    request may wait in this model's queue. A per-request timeout (the BLS ``timeout``) can only
+    lower it (``allow_timeout_override``), never raise it, so it must be set (0 would disable
+    overrides). ``max_queue_size`` bounds the queue: beyond it requests are rejected at once.
+    """
+
+    preferred_batch_sizes: tuple[int, ...]
+    max_queue_delay_us: int
+    queue_timeout_us: int = 10_000_000
+    max_queue_size: int = 256
+
+
+@dataclass(frozen=True)
+class EnsembleStep:
+    model: str
+    input_map: dict[str, str]   # the step model's input name -> ensemble tensor name
+    output_map: dict[str, str]  # the step model's output name -> ensemble tensor name
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    backend: str  # "onnxruntime", "python", or "" for an ensemble (see `platform`)
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]
+    max_batch_size: int
+    batching: BatchingSpec | None  # None: no dynamic batcher (ensembles)
+    # Instances per device (KIND_AUTO: one group of `instance_count` on each GPU in the container,
+    # CPU instances locally). At least 2 wherever a queue policy is set: with a single instance
+    # the dynamic batcher's policy queue stalled in ~500 ms steps under bursts (measured).
+    instance_count: int = 2
+    # Only where a kind is required: the BLS orchestrators are KIND_CPU (they compute nothing on
+    # a GPU, so their instance count must not multiply with the number of GPUs).
+    kind: str | None = None
+    platform: str = ""
+    decoupled: bool = False  # model_transaction_policy (only the measured alternative uses it)
+    parameters: dict[str, str] = field(default_factory=dict)
+    ensemble_steps: tuple[EnsembleStep, ...] = ()
+    description: str = ""
+    # For a BLS orchestrator: the registered pipeline it runs (its model.py names it). Variants
+    # made with dataclasses.replace keep it.
+    orchestrates: str = ""
+
+    def input(self, name: str) -> TensorSpec:
+        return _by_name(self.inputs, name, self.name)
+
+    def output(self, name: str) -> TensorSpec:
+        return _by_name(self.outputs, name, self.name)
+
+
+def _by_name(tensors: tuple[TensorSpec, ...], name: str, model: str) -> TensorSpec:
+    for tensor in tensors:
+        if tensor.name == name:
+            return tensor
+    raise KeyError(f"model '{model}' has no tensor '{name}'")
+
+
+# The orchestrators answer through response senders, so their queue empties as fast as requests
+# arrive; the queue policy still applies the client's timeout to time spent queued and bounds the
+# queue when the orchestrator applies backpressure (max_inflight_requests).
+BLS_BATCHING = BatchingSpec(preferred_batch_sizes=(), max_queue_delay_us=0,
+                            queue_timeout_us=30_000_000, max_queue_size=4096)
+
+
+@dataclass(frozen=True)
+class StageDef:
+    """One stage: the sub-model contracts its model may meet (the default model's first; which
+    one the configured model meets is decided at load) and the outputs that only flow into later
+    stages (kept on the GPU with ``gpu_tensors: "on"``)."""
+
+    name: str
+    contracts: tuple[ModelSpec, ...]
+    pass_through: tuple[str, ...] = ()
+
+    @property
+    def default_model(self) -> str:
+        return self.contracts[0].name
+
+    def names(self, contract: ModelSpec) -> set[str]:
+        """Tensor names a sub-request of this stage may use with a model meeting ``contract``."""
+        return {t.name for t in (*contract.inputs, *contract.outputs)}
+
+
+@dataclass(frozen=True)
+class Setup:
+    """What a pipeline's run function gets besides its inputs and ``call``: the values of its own
+    parameters (``PipelineDef.parameters``) and, per stage, the contract its model meets."""
+
+    options: dict[str, object] = field(default_factory=dict)
+    contracts: dict[str, ModelSpec] = field(default_factory=dict)
+
+
+# The run function: ``async run(inputs, call, setup) -> outputs``, over numpy arrays, reaching
+# sub-models only through ``call(stage, inputs, output_names, reduce=None)`` (bls_models/
+# pipelines.py). Given as a callable or as "module:function" (resolved at load).
+RunFunction = Callable
+
+
+@dataclass(frozen=True)
+class PipelineDef:
+    name: str
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]
+    stages: tuple[StageDef, ...]
+    run: RunFunction | str
+    max_batch_size: int
+    # Parameters of this pipeline only (the common ones and each stage's are added).
+    parameters: tuple[params.Param, ...] = ()
+    # Other defaults for common parameters (name -> value), e.g. fewer sub-request threads.
+    defaults: dict[str, str] = field(default_factory=dict)
+    description: str = ""
+    instance_count: int = 2
+    batching: BatchingSpec = BLS_BATCHING
+
+    def __post_init__(self) -> None:
+        names = [s.name for s in self.stages]
+        if len(set(names)) != len(names) or not names:
+            raise ValueError(f"pipeline '{self.name}': stage names must be unique, got {names}")
+        unknown = set(self.defaults) - {p.name for p in params.COMMON}
+        if unknown:
+            raise ValueError(f"pipeline '{self.name}': defaults for unknown parameters {unknown}")
+        final = {t.name for t in self.outputs}
+        for stage in self.stages:
+            for name in stage.pass_through:
+                # It only flows into later stages: never copied out, so never answered.
+                if name in final or any(name not in {t.name for t in c.outputs}
+                                        for c in stage.contracts):
+                    raise ValueError(f"pipeline '{self.name}': pass-through output '{name}' of "
+                                     f"stage '{stage.name}' must be an output of every contract "
+                                     "of the stage and not one of the pipeline's")
+
+    # -- derived --------------------------------------------------------------------------------
+    def stage(self, name: str) -> StageDef:
+        return next(s for s in self.stages if s.name == name)
+
+    @property
+    def contracts(self) -> dict[str, tuple[ModelSpec, ...]]:
+        return {s.name: s.contracts for s in self.stages}
+
+    @property
+    def default_models(self) -> dict[str, str]:
+        return {s.name: s.default_model for s in self.stages}
+
+    @property
+    def pass_through(self) -> dict[str, tuple[str, ...]]:
+        return {s.name: s.pass_through for s in self.stages if s.pass_through}
+
+    def accepted(self) -> tuple[params.Param, ...]:
+        """Every parameter this pipeline accepts, with its default: the common ones (with this
+        pipeline's defaults), each stage's model and timeout, and its own. ``gpu_tensors`` only
+        where some stage has pass-through outputs: elsewhere it could do nothing."""
+        common = [replace(p, default=self.defaults.get(p.name, p.default)) for p in params.COMMON
+                  if p is not params.GPU_TENSORS or self.pass_through]
+        stages = [params.stage_parameters(s.name, s.default_model) for s in self.stages]
+        return (*(model for model, _ in stages), *(timeout for _, timeout in stages), *common,
+                *self.parameters)
+
+    def parse(self, values: dict[str, str]) -> params.OrchestratorConfig:
+        """The orchestrator's configuration from its ``config.pbtxt`` parameters; raises
+        ``params.ConfigError`` naming every problem (an unknown or unused key is one)."""
+        return params.parse(values, self.accepted(), list(self.default_models))
+
+    def model_spec(self) -> ModelSpec:
+        """The orchestrator as a model: what ``modelgen.configs`` renders to its config.pbtxt.
+        Its parameters list every listed parameter at its default."""
+        return ModelSpec(
+            name=self.name, backend="python", inputs=self.inputs, outputs=self.outputs,
+            max_batch_size=self.max_batch_size, batching=self.batching,
+            instance_count=self.instance_count, kind="KIND_CPU",
+            parameters={p.name: p.default for p in self.accepted() if p.listed},
+            description=self.description, orchestrates=self.name)
+
+    def run_function(self) -> RunFunction:
+        if callable(self.run):
+            return self.run
+        module, _, attribute = self.run.partition(":")
+        return getattr(importlib.import_module(module), attribute)
+
+
+# -- the registry: pipelines a model.py can name ---------------------------------------------------
+_REGISTRY: dict[str, PipelineDef] = {}
+
+
+def register(*definitions: PipelineDef) -> None:
+    for definition in definitions:
+        known = _REGISTRY.get(definition.name)
+        if known is not None and known is not definition:
+            raise ValueError(f"a different pipeline named '{definition.name}' is registered")
+        _REGISTRY[definition.name] = definition
+
+
+def registered(name: str) -> PipelineDef:
+    """The registered pipeline ``name`` (the repository's own are registered by ``spec``)."""
+    importlib.import_module("bls_models.spec")  # registers the repository's own pipelines
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise KeyError(f"no pipeline named '{name}' is registered "
+                       f"(registered: {', '.join(sorted(_REGISTRY))})") from None
