@@ -56,7 +56,7 @@ backend: $(STAMP) ## Build Triton's onnxruntime backend (C++, r24.10; ~20 s, cac
 models: $(STAMP) ## Export the ONNX models into $(MODEL_REPOSITORY) (skipped when up to date)
 	$(PY) -m modelgen.export --repository $(MODEL_REPOSITORY) --size $(MODEL_SIZE)
 
-configs: $(STAMP) ## Regenerate every config.pbtxt from bls_models/spec.py
+configs: $(STAMP) ## Regenerate every config.pbtxt, the orchestrators' model.py and the docs' parameter table from bls_models/spec.py
 	$(PY) -m modelgen.configs --repository $(MODEL_REPOSITORY)
 
 serve: models backend ## Serve $(MODEL_REPOSITORY) on 127.0.0.1 in the foreground (Ctrl-C stops it)

@@ -531,12 +531,8 @@ def tune_sub_model(ctx: Context, result: Result, model: S.ModelSpec, levels: lis
                    ) -> tuple[S.ModelSpec, Candidate | None, float | None, list[Candidate]]:
     """Instances, then delay, then preferred sizes: (winner spec, its point, budget, all points)."""
     write = _onnx_writer(ctx, model)
-    instances = [1, 2] if ctx.quick else list(TUNING_INSTANCES)
-    cands, unloaded = _measure_stage(ctx, result, "i", model,
-                                     [_tuned(model, instances=n) for n in instances],
-                                     levels, write, baseline=True)
-    budget = unloaded * BUDGET_FACTOR if unloaded else None
-    best = _pick(cands, budget)
+    cands, budget, best = _instances_stage(ctx, result, "i", model, TUNING_INSTANCES, levels,
+                                           write)
     seen = list(cands)
     if ctx.quick:
         return (best.spec if best else model), best, budget, seen
@@ -568,13 +564,22 @@ def tune_orchestrator(ctx: Context, result: Result, tuned: dict[str, S.ModelSpec
                                                          "stage_model_repositories": str(repo)})
             variants.write(repo, spec)
 
-    counts = [1, 2] if ctx.quick else list(ORCHESTRATOR_INSTANCES)
-    cands, unloaded = _measure_stage(ctx, result, "o", base,
-                                     [_tuned(base, instances=n) for n in counts],
+    cands, budget, best = _instances_stage(ctx, result, "o", base, ORCHESTRATOR_INSTANCES,
+                                           levels, write)
+    return (best.spec if best else base), best, budget, cands
+
+
+def _instances_stage(ctx: Context, result: Result, stage: str, model: S.ModelSpec, counts,
+                     levels: list[int], write) -> tuple[list[Candidate], float | None,
+                                                        Candidate | None]:
+    """The first tuning stage (instance counts, with the unloaded baseline that sets the latency
+    budget): (candidates, budget, best within it)."""
+    counts = [1, 2] if ctx.quick else list(counts)
+    cands, unloaded = _measure_stage(ctx, result, stage, model,
+                                     [_tuned(model, instances=n) for n in counts],
                                      levels, write, baseline=True)
     budget = unloaded * BUDGET_FACTOR if unloaded else None
-    best = _pick(cands, budget)
-    return (best.spec if best else base), best, budget, cands
+    return cands, budget, _pick(cands, budget)
 
 
 def tuning(ctx: Context) -> Result:

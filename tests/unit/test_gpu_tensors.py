@@ -12,7 +12,7 @@ import pytest
 
 from bls_models import params
 from bls_models import spec as S
-from bls_models.triton_runtime import DeviceTensor, take_outputs
+from bls_models.subrequests import DeviceTensor, take_outputs
 
 
 class FakeTensor:

@@ -180,3 +180,76 @@ def test_backpressure_bounds_requests_in_flight(made):
     assert time.monotonic() - started >= 0.2
     wait_answered(requests)
     assert all(len(r.sender.sent) == 1 for r in requests)
+
+
+def test_shutdown_answers_what_outlives_the_drain_once_with_unavailable(made, monkeypatch):
+    from bls_models import triton_runtime
+
+    monkeypatch.setattr(triton_runtime, "SHUTDOWN_DRAIN_SECONDS", 0.2)
+    pb = FakePbUtils(sub_models())
+    orch = orchestrator(pb)
+    slow = Request(image(), request_id="classifier=1.0")
+    orch.execute([slow])
+    started = time.monotonic()
+    orch.close()
+    assert time.monotonic() - started < 1.0, "close waited for the sub-model"
+    (response,) = slow.sender.sent
+    assert response.error().code() == pb.TritonError.UNAVAILABLE
+    assert "shutting down" in response.error().message()
+    assert pb.metric("bls_requests_total", code="UNAVAILABLE") == 1
+
+
+def test_a_request_that_cannot_be_read_fails_alone_and_frees_its_slot(made):
+    pb = FakePbUtils(sub_models())
+    made.append(orch := orchestrator(pb, max_inflight_requests="1"))
+    unreadable = Request({"PIXELS": np.zeros((1, 3), np.float32)})  # no IMAGE
+    good = Request(image())
+    orch.execute([unreadable, good])  # would wait forever if the refused request kept its slot
+    wait_answered([unreadable, good])
+    (refused,) = unreadable.sender.sent
+    assert refused.error().code() == pb.TritonError.INVALID_ARG
+    assert len(good.sender.sent) == 1 and not good.sender.sent[0].has_error()
+
+
+def test_a_sub_request_whose_deadline_passed_before_a_thread_took_it_is_never_sent(made):
+    """One sub-request thread: the second request's preprocess waits behind the first's and its
+    0.2 s deadline passes there; it is answered on time and never reaches the sub-model."""
+    pb = FakePbUtils(sub_models())
+    made.append(orch := orchestrator(pb, subrequest_threads="1"))
+    first = Request(image(), request_id="first;preprocess=0.5")
+    second = Request(image(), request_id="second", timeout_us=200_000)
+    orch.execute([first, second])
+    wait_answered([first, second])
+    assert second.sender.sent[0].error().code() == pb.TritonError.UNAVAILABLE
+    assert not first.sender.sent[0].has_error()
+    assert [rid for _, rid in pb.calls].count("second") == 0
+    assert len(first.sender.sent) == len(second.sender.sent) == 1
+
+
+def test_the_responder_answers_a_job_once_whoever_answers_it(made):
+    """The pipeline and shutdown's cancellation can race to answer: the second send is a no-op
+    and counts nothing."""
+    import threading
+
+    from bls_models.deadline import Deadline
+    from bls_models.errors import Code, PipelineError
+    from bls_models.metrics import Metrics
+    from bls_models.responder import Job, Responder
+
+    pb = FakePbUtils({})
+    metrics = Metrics(pb, "pipeline")
+    responder = Responder(pb, threading.RLock(), metrics, {"EMBEDDING": np.dtype(np.float32)},
+                          max_inflight=1, log=lambda *a, **k: None)
+    request = Request(image())
+    responder.admit()
+    responder.started()
+    job = Job(inputs={}, outputs=["EMBEDDING"], deadline=Deadline.for_request(0, 1000),
+              request_id="r", sender=request.get_response_sender())
+    responder.send(job, {"EMBEDDING": np.ones((1, 256))}, None)
+    responder.send(job, None, PipelineError(Code.UNAVAILABLE, "shutting down"))
+    metrics.flush()
+    assert len(request.sender.sent) == 1 and not request.sender.sent[0].has_error()
+    assert responder.pending == 0
+    assert pb.metric("bls_requests_total", code="SUCCESS") == 1
+    assert pb.metric("bls_requests_total", code="UNAVAILABLE") == 0
+    assert responder.slots.acquire(timeout=1), "the slot was never released"

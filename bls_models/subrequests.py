@@ -1,0 +1,230 @@
+"""Sub-requests of a pipeline: sent with the request's deadline, abandoned when it passes, their
+outputs turned into numpy arrays (or kept on the GPU) while their response is alive.
+
+Part of the orchestrator runtime (``triton_runtime`` wires it; its docstring has the design).
+``InferenceRequest.exec`` blocks its thread until the sub-model answers, so each in-flight
+sub-request runs on a thread of a dedicated pool (``subrequest_threads``). Every other
+``pb_utils`` call holds the runtime's lock; objects that wrap backend memory are created and
+destroyed under it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from bls_models.errors import Cancelled, DeadlineExceeded, Kind, sub_request_failed
+from bls_models.params import OrchestratorConfig
+from bls_models.pipelines import Reduce
+from bls_models.responder import Job
+
+
+def take_outputs(pb_utils, response, names, keep, views: dict, devices: dict) -> str | None:
+    """Read a sub-response's outputs (under the lock): ``views`` gets numpy views of those in CPU
+    memory, ``devices`` a ``DeviceTensor`` for each output named in ``keep`` that is in GPU memory.
+    A kept output that arrived in CPU memory (a CPU-only host) becomes a view: the fallback.
+    Returns the name of a missing output (nothing is kept then), or None."""
+    for name in names:
+        tensor = pb_utils.get_output_tensor_by_name(response, name)
+        if tensor is None:
+            for device in devices.values():
+                device.release()
+            devices.clear()
+            views.clear()
+            return name
+        if name in keep and not tensor.is_cpu():
+            devices[name] = DeviceTensor(pb_utils.Tensor.from_dlpack(name, tensor.to_dlpack()))
+        else:
+            views[name] = tensor.as_numpy()  # a view of the response's memory: never of a GPU one
+    return None
+
+
+class DeviceTensor:
+    """A stage output kept in the sub-model's GPU memory (``gpu_tensors: "on"``).
+
+    Wraps a ``pb_utils.Tensor`` made with ``from_dlpack``, which shares ownership of the GPU
+    buffer with the DLPack capsule, not with the sub-response: the response can go. Created and
+    released under the runtime's lock, like every object that wraps backend memory; pipelines
+    only pass it from one stage to the next (they never compute on it)."""
+
+    __slots__ = ("tensor",)
+
+    def __init__(self, tensor) -> None:
+        self.tensor = tensor
+
+    def as_input(self, pb_utils, name: str):
+        """A new input tensor named ``name`` over the same GPU buffer (under the lock)."""
+        if self.tensor is None:
+            raise RuntimeError("a released DeviceTensor was used as an input")
+        return pb_utils.Tensor.from_dlpack(name, self.tensor.to_dlpack())
+
+    def release(self) -> None:
+        self.tensor = None
+
+
+@dataclass
+class Outcome:
+    """What a sub-request thread hands back: numpy arrays, and device tensors for pass-through
+    outputs kept on the GPU (``gpu_tensors: "on"``)."""
+
+    outputs: dict[str, np.ndarray | DeviceTensor] | None = None
+    error: str | None = None
+    expired: bool = False  # its deadline passed before a thread picked it up: never sent
+
+    def device_tensors(self) -> list[DeviceTensor]:
+        return [t for t in (self.outputs or {}).values() if isinstance(t, DeviceTensor)]
+
+
+class SubRequests:
+    """The one sub-request wrapper of an orchestrator instance: ``call`` is the ``call`` its
+    pipeline gets (with the job bound)."""
+
+    def __init__(self, pb_utils, lock: threading.RLock, loop: asyncio.AbstractEventLoop,
+                 metrics, config: OrchestratorConfig, pass_through: dict[str, tuple[str, ...]],
+                 model: str) -> None:
+        self.pb, self.lock, self.loop, self.metrics = pb_utils, lock, loop, metrics
+        self.config = config
+        # Stage -> outputs kept on the GPU (only stages whose model is KIND_GPU, gpu_tensors on).
+        self.pass_through = pass_through
+        self.pool = concurrent.futures.ThreadPoolExecutor(
+            config.subrequest_threads, thread_name_prefix=f"{model}-subrequest")
+
+    async def call(self, job: Job, stage: str, inputs: dict[str, np.ndarray],
+                    output_names, reduce: Reduce | None = None) -> dict[str, np.ndarray]:
+        pb = self.pb
+        model = self.config.stage(stage).model
+        with self.lock:
+            cancelled = job.sender is not None and job.sender.is_cancelled()
+            if cancelled and job.first("cancelled"):
+                self.metrics.increment("bls_cancelled_requests_total", stage=stage)
+        if cancelled:
+            raise Cancelled(stage)
+        limit, what, limit_ms = job.deadline.stage_limit(self.config.stage(stage).timeout_ms)
+        if limit <= 0:
+            self._count_deadline(job, stage)
+            raise DeadlineExceeded(stage, model, limit_ms, what)
+
+        # Pass-through outputs stay on the GPU with gpu_tensors on; everything else comes back in
+        # CPU memory, where it is copied into numpy (or reduced in place).
+        on_device = self.config.gpu_tensors and bool(self.pass_through.get(stage))
+        with self.lock:
+            request = pb.InferenceRequest(
+                model_name=model,
+                inputs=[value.as_input(pb, name) if isinstance(value, DeviceTensor)
+                        else pb.Tensor(name, value) for name, value in inputs.items()],
+                requested_output_names=list(output_names),
+                request_id=job.request_id,
+                timeout=max(1, int(limit * 1e6)),  # µs; applies in the sub-model's queue
+                preferred_memory=pb.PreferredMemory(
+                    pb.TRITONSERVER_MEMORY_GPU if on_device else pb.TRITONSERVER_MEMORY_CPU, 0),
+            )
+        handoff = [request]  # the thread takes the only reference
+        del request
+        started = time.monotonic()
+        keep = set(self.pass_through.get(stage, ())) if on_device else set()
+        future = self.pool.submit(self._exec, handoff, started + limit, list(output_names),
+                                         reduce, keep)
+        waiter = asyncio.wrap_future(future, loop=self.loop)
+        try:
+            done, _ = await asyncio.wait({waiter}, timeout=limit)
+        finally:
+            with self.lock:
+                self.metrics.observe("bls_stage_latency_seconds", time.monotonic() - started,
+                                     stage=stage)
+        if not done:
+            waiter.cancel()
+            if not future.cancel():  # already running: it finishes on its own, result dropped
+                with self.lock:
+                    self.metrics.increment("bls_abandoned_subrequests_total", stage=stage)
+                future.add_done_callback(lambda done: self._post(self._abandoned_done, stage, done))
+            self._count_deadline(job, stage)
+            raise DeadlineExceeded(stage, model, limit_ms, what)
+        outcome: Outcome = waiter.result()
+        if outcome.expired:
+            self._count_deadline(job, stage)
+            raise DeadlineExceeded(stage, model, limit_ms, what)
+        job.device_tensors += outcome.device_tensors()  # released when the request is answered
+        if outcome.error is not None:
+            failure = sub_request_failed(stage, model, outcome.error)
+            self._count("bls_subrequest_errors_total", stage, kind=failure.kind.value)
+            raise failure
+        return outcome.outputs
+
+    def _abandoned_done(self, stage: str, future: concurrent.futures.Future) -> None:
+        """An abandoned sub-request finished (event loop thread): count it, free what it made."""
+        self._count("bls_abandoned_subrequests_completed_total", stage)
+        if not future.cancelled() and future.exception() is None:
+            with self.lock:
+                for device in future.result().device_tensors():
+                    device.release()
+
+    def _exec(self, handoff: list, expires: float, output_names: list[str],
+              reduce: Reduce | None, keep: set[str] = frozenset()) -> Outcome:
+        """On a sub-request thread: send, wait, then turn the outputs into plain numpy arrays
+        (copies, or whatever ``reduce`` computes from them in place). Outputs named in ``keep``
+        that arrive in GPU memory stay there, as ``DeviceTensor``s."""
+        pb = self.pb
+        request = handoff.pop()
+        response = None
+        views: dict[str, np.ndarray] = {}
+        devices: dict[str, DeviceTensor] = {}
+        try:
+            if time.monotonic() >= expires:
+                return Outcome(expired=True)
+            self._gauge("bls_inflight_subrequests", +1)
+            try:
+                response = request.exec()  # blocks (GIL released) until the sub-model answers
+            finally:
+                self._gauge("bls_inflight_subrequests", -1)
+            with self.lock:
+                if response.has_error():
+                    return Outcome(error=response.error().message())
+                missing = take_outputs(pb, response, output_names, keep, views, devices)
+                if missing is not None:
+                    return Outcome(error=f"the response has no output '{missing}'")
+            # Outside the lock: numpy only, on memory the response keeps alive until the end.
+            if reduce is not None:
+                return Outcome(outputs={**reduce(views), **devices})
+            return Outcome(outputs={**{name: view.copy() for name, view in views.items()},
+                                    **devices})
+        except Exception as error:  # noqa: BLE001 - exec itself raised (e.g. stub errors)
+            with self.lock:
+                for device in devices.values():
+                    device.release()
+            return Outcome(error=f"{type(error).__name__}: {error}")
+        finally:
+            with self.lock:  # backend objects die under the lock, on this thread
+                views.clear()
+                del request, response
+
+    def _post(self, function, *args) -> None:
+        """Run ``function`` on the event loop's thread (from a sub-request thread)."""
+        try:
+            self.loop.call_soon_threadsafe(function, *args)
+        except RuntimeError:  # the loop is closed: the model is unloading
+            pass
+
+    def _count(self, family: str, stage: str, **labels: str) -> None:
+        with self.lock:
+            self.metrics.increment(family, stage=stage, **labels)
+
+    def _count_deadline(self, job: Job, stage: str) -> None:
+        """A sub-request failed on the deadline: counted per sub-request (the stage's errors),
+        and the request's deadline once per request, at the first stage that hit it."""
+        with self.lock:
+            if job.first("deadline"):
+                self.metrics.increment("bls_deadline_exceeded_total", stage=stage)
+            self.metrics.increment("bls_subrequest_errors_total", stage=stage,
+                                   kind=Kind.DEADLINE.value)
+
+    def _gauge(self, family: str, delta: float) -> None:
+        with self.lock:
+            self.metrics.increment(family, delta)
+
+    def shutdown(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
