@@ -83,7 +83,7 @@ def test_a_slow_sub_model_fails_on_time_stays_bounded_and_recovers(server, fault
     # embedder sub-request can also expire waiting for one.
     assert all("deadline exceeded in stage '" in a.message for a in degraded)
     assert any("stage 'classifier'" in a.message for a in degraded)
-    assert_on_time([a.seconds for a in degraded], DEADLINE, typical=0.95)
+    assert_on_time([a.seconds for a in degraded], DEADLINE)
 
     # Bounded: at most subrequest_threads sub-requests per orchestrator instance wait on the slow
     # model; the others expire in the pool without being sent.
