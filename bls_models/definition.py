@@ -110,10 +110,6 @@ class StageDef:
     def default_model(self) -> str:
         return self.contracts[0].name
 
-    def names(self, contract: ModelSpec) -> set[str]:
-        """Tensor names a sub-request of this stage may use with a model meeting ``contract``."""
-        return {t.name for t in (*contract.inputs, *contract.outputs)}
-
 
 @dataclass(frozen=True)
 class Setup:
@@ -164,9 +160,6 @@ class PipelineDef:
                                      "of the stage and not one of the pipeline's")
 
     # -- derived --------------------------------------------------------------------------------
-    def stage(self, name: str) -> StageDef:
-        return next(s for s in self.stages if s.name == name)
-
     @property
     def contracts(self) -> dict[str, tuple[ModelSpec, ...]]:
         return {s.name: s.contracts for s in self.stages}
