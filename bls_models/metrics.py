@@ -17,6 +17,8 @@ from bls_models.errors import Code, Kind
 
 FLUSH_SECONDS = 0.2  # how stale a scraped counter or gauge may be
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+GROUP_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 32)
+BUCKETS = {"bls_coalesced_group_size": GROUP_BUCKETS}  # other histograms: LATENCY_BUCKETS
 
 # name -> (kind, description)
 FAMILIES: dict[str, tuple[str, str]] = {
@@ -38,6 +40,8 @@ FAMILIES: dict[str, tuple[str, str]] = {
         "COUNTER", "Requests cancelled by the client, by the stage they were stopped before"),
     "bls_inflight_requests": (
         "GAUGE", "Requests being orchestrated right now"),
+    "bls_coalesced_group_size": (
+        "HISTOGRAM", "Requests per sub-request sent to a stage, with coalescing on"),
     "bls_inflight_subrequests": (
         "GAUGE", "Sub-requests sent to a sub-model and not yet answered, abandoned ones "
                  "included (at most subrequest_threads per instance)"),
@@ -53,7 +57,8 @@ def known_series(stages) -> list[tuple[str, dict[str, str]]]:
     """Every (family, labels) an orchestrator with these stages can produce. They are created at
     load, at 0, as Prometheus expects of a known label set: ``rate()`` and dashboards then see
     a series before its first event, not only after it."""
-    per_stage = ("bls_stage_latency_seconds", "bls_deadline_exceeded_total",
+    per_stage = ("bls_stage_latency_seconds", "bls_coalesced_group_size",
+                 "bls_deadline_exceeded_total",
                  "bls_abandoned_subrequests_total", "bls_abandoned_subrequests_completed_total",
                  "bls_cancelled_requests_total")
     series = [(family, {}) for family in ("bls_request_latency_seconds", "bls_inflight_requests",
@@ -85,7 +90,7 @@ class Metrics:
         if metric is None:
             kwargs = {"labels": {"model": self._model, **labels}}
             if FAMILIES[family][0] == "HISTOGRAM":
-                kwargs["buckets"] = list(LATENCY_BUCKETS)
+                kwargs["buckets"] = list(BUCKETS.get(family, LATENCY_BUCKETS))
             metric = self._metrics[key] = self._families[family].Metric(**kwargs)
         return metric
 

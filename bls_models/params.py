@@ -71,8 +71,20 @@ GPU_TENSORS = Param(
     "([production.md](production.md#gpu-tensors-between-stages-gpu_tensors)); accepted only by "
     "pipelines with such outputs", choices=("off", "on"), listed=False)
 
-COMMON: tuple[Param, ...] = (DEFAULT_DEADLINE, MAX_INFLIGHT, SUBREQUEST_THREADS,
-                             STAGE_MODEL_REPOSITORIES, CONCURRENCY_MODE, GPU_TENSORS)
+COALESCE = Param(
+    "coalesce", "off",
+    "`on`: requests that reach a stage while its sub-requests are out go to it together, as one "
+    "sub-request of up to the stage model's `max_batch_size` rows (docs/orchestrator.md, "
+    "\"Coalescing\"); a stage whose outputs stay on the GPU is not coalesced",
+    choices=("off", "on"))
+COALESCE_IN_FLIGHT = Param(
+    "coalesce_in_flight", "2",
+    "with `coalesce` on: sub-requests per stage out at once, per instance, before arrivals wait "
+    "to go together", minimum=1)
+
+COMMON: tuple[Param, ...] = (DEFAULT_DEADLINE, MAX_INFLIGHT, SUBREQUEST_THREADS, COALESCE,
+                             COALESCE_IN_FLIGHT, STAGE_MODEL_REPOSITORIES, CONCURRENCY_MODE,
+                             GPU_TENSORS)
 
 
 def stage_parameters(stage: str, default_model: str) -> tuple[Param, Param]:
@@ -102,6 +114,8 @@ class OrchestratorConfig:
     # stage by DLPack; "off": every output is copied to the orchestrator's CPU memory. "on" keeps
     # the copy for stages whose model is not configured KIND_GPU, so it is safe everywhere.
     gpu_tensors: bool = False
+    coalesce: bool = False
+    coalesce_in_flight: int = 2
     # The pipeline's own parameters (PipelineDef.parameters), parsed.
     options: dict[str, object] = field(default_factory=dict)
 
@@ -138,6 +152,8 @@ def parse(values: dict[str, str], accepted: tuple[Param, ...], stages: list[str]
         stage_model_repositories=tuple(
             p.strip() for p in parsed["stage_model_repositories"].split(",") if p.strip()),
         gpu_tensors=parsed.get("gpu_tensors", "off") == "on",
+        coalesce=parsed["coalesce"] == "on",
+        coalesce_in_flight=parsed["coalesce_in_flight"],
         options={name: value for name, value in parsed.items()
                  if name not in _COMMON_NAMES | stage_names},
     )

@@ -84,19 +84,29 @@ def _mismatches(config, model: str, contract: S.ModelSpec) -> list[str]:
     return problems
 
 
-def stage_kinds(repositories: list[Path], stages: dict[str, Stage]) -> dict[str, set[str]]:
-    """Stage -> the instance-group kinds its model's config declares ("KIND_AUTO" when a group
-    has no kind, or the model has no instance_group). Stages whose config is missing are left out
-    (``resolve_stages`` reports them)."""
-    from tritonclient.grpc import model_config_pb2
-
-    kinds: dict[str, set[str]] = {}
+def stage_configs(repositories: list[Path], stages: dict[str, Stage]) -> dict[str, object]:
+    """Stage -> its model's parsed config, found in ``repositories`` in order. Stages whose
+    config is missing are left out (``resolve_stages`` reports them)."""
+    configs = {}
     for name, stage in stages.items():
         path = next((r / stage.model / "config.pbtxt" for r in repositories
                      if (r / stage.model / "config.pbtxt").is_file()), None)
-        if path is None:
-            continue
-        groups = load_config(path).instance_group
-        kinds[name] = ({model_config_pb2.ModelInstanceGroup.Kind.Name(g.kind) for g in groups}
-                       or {"KIND_AUTO"})
-    return kinds
+        if path is not None:
+            configs[name] = load_config(path)
+    return configs
+
+
+def stage_kinds(repositories: list[Path], stages: dict[str, Stage]) -> dict[str, set[str]]:
+    """Stage -> the instance-group kinds its model's config declares ("KIND_AUTO" when a group
+    has no kind, or the model has no instance_group)."""
+    from tritonclient.grpc import model_config_pb2
+
+    return {name: ({model_config_pb2.ModelInstanceGroup.Kind.Name(g.kind)
+                    for g in config.instance_group} or {"KIND_AUTO"})
+            for name, config in stage_configs(repositories, stages).items()}
+
+
+def stage_max_batch(repositories: list[Path], stages: dict[str, Stage]) -> dict[str, int]:
+    """Stage -> its model's ``max_batch_size`` (0: it does not batch)."""
+    return {name: config.max_batch_size
+            for name, config in stage_configs(repositories, stages).items()}

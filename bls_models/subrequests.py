@@ -12,13 +12,16 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import threading
 import time
 from dataclasses import dataclass
 
 import numpy as np
 
-from bls_models.errors import Cancelled, DeadlineExceeded, Kind, sub_request_failed
+from bls_models.coalescing import Coalescer
+from bls_models.errors import (Cancelled, DeadlineExceeded, Kind, classify_sub_error,
+                               sub_request_failed)
 from bls_models.params import OrchestratorConfig
 from bls_models.pipelines import Reduce
 from bls_models.responder import Job
@@ -80,23 +83,40 @@ class Outcome:
         return [t for t in (self.outputs or {}).values() if isinstance(t, DeviceTensor)]
 
 
+def _one_bad_item(error: str) -> bool:
+    """Whether a sub-request's error may come from one item of its batch: the sub-model rejected
+    the data (e.g. ONNX Runtime's "onnx runtime error 2" for a bad index) or failed. Queue full,
+    not ready, shared memory, cancellation and deadlines concern the stage, not an item."""
+    return classify_sub_error(error) in (Kind.INVALID, Kind.FAILED)
+
+
 class SubRequests:
     """The one sub-request wrapper of an orchestrator instance: ``call`` is the ``call`` its
     pipeline gets (with the job bound)."""
 
     def __init__(self, pb_utils, lock: threading.RLock, loop: asyncio.AbstractEventLoop,
                  metrics, config: OrchestratorConfig, pass_through: dict[str, tuple[str, ...]],
-                 model: str) -> None:
+                 model: str, max_rows: dict[str, int] | None = None) -> None:
         self.pb, self.lock, self.loop, self.metrics = pb_utils, lock, loop, metrics
         self.config = config
         # Stage -> outputs kept on the GPU (only stages whose model is KIND_GPU, gpu_tensors on).
         self.pass_through = pass_through
         self.pool = concurrent.futures.ThreadPoolExecutor(
             config.subrequest_threads, thread_name_prefix=f"{model}-subrequest")
+        # coalesce on: a Coalescer per stage whose outputs come back to the CPU (device tensors
+        # cannot be split by rows), sized by the stage model's max_batch_size.
+        self.coalescers: dict[str, Coalescer] = {
+            stage: Coalescer(max_rows[stage], config.coalesce_in_flight,
+                             functools.partial(self._send, stage), Outcome,
+                             functools.partial(self._group_sent, stage), isolate=_one_bad_item)
+            for stage in config.stages
+            if config.coalesce and max_rows and max_rows.get(stage, 0) > 0
+            and stage not in pass_through}
 
     async def call(self, job: Job, stage: str, inputs: dict[str, np.ndarray],
-                    output_names, reduce: Reduce | None = None) -> dict[str, np.ndarray]:
-        pb = self.pb
+                   output_names, reduce: Reduce | None = None) -> dict[str, np.ndarray]:
+        """The ``call`` a pipeline gets: one sub-request of ``job`` to ``stage`` (alone, or
+        with others' when coalescing), raising the client's error when it fails."""
         model = self.config.stage(stage).model
         with self.lock:
             cancelled = job.sender is not None and job.sender.is_cancelled()
@@ -108,7 +128,31 @@ class SubRequests:
         if limit <= 0:
             self._count_deadline(job, stage)
             raise DeadlineExceeded(stage, model, limit_ms, what)
+        coalescer = self.coalescers.get(stage)
+        if coalescer is not None:
+            outcome, timed_out = await coalescer.submit(inputs, list(output_names), reduce, limit,
+                                                        job.request_id)
+        else:
+            outcome, timed_out = await self._send(stage, inputs, list(output_names), reduce,
+                                                  limit, job.request_id)
+        if timed_out or outcome.expired:
+            self._count_deadline(job, stage)
+            raise DeadlineExceeded(stage, model, limit_ms, what)
+        job.device_tensors += outcome.device_tensors()  # released when the request is answered
+        if outcome.error is not None:
+            failure = sub_request_failed(stage, model, outcome.error)
+            self._count("bls_subrequest_errors_total", stage, kind=failure.kind.value)
+            raise failure
+        return outcome.outputs
 
+    async def _send(self, stage: str, inputs: dict, output_names: list[str],
+                    reduce: Reduce | None, limit: float, request_id: str
+                    ) -> tuple[Outcome | None, bool]:
+        """One sub-request to ``stage``'s model, waited for at most ``limit`` seconds:
+        (outcome, False), or (None, True) when the limit passed first (it is then abandoned, or
+        never sent if no thread had taken it yet)."""
+        pb = self.pb
+        model = self.config.stage(stage).model
         # Pass-through outputs stay on the GPU with gpu_tensors on; everything else comes back in
         # CPU memory, where it is copied into numpy (or reduced in place).
         on_device = self.config.gpu_tensors and bool(self.pass_through.get(stage))
@@ -118,7 +162,7 @@ class SubRequests:
                 inputs=[value.as_input(pb, name) if isinstance(value, DeviceTensor)
                         else pb.Tensor(name, value) for name, value in inputs.items()],
                 requested_output_names=list(output_names),
-                request_id=job.request_id,
+                request_id=request_id,
                 timeout=max(1, int(limit * 1e6)),  # µs; applies in the sub-model's queue
                 preferred_memory=pb.PreferredMemory(
                     pb.TRITONSERVER_MEMORY_GPU if on_device else pb.TRITONSERVER_MEMORY_CPU, 0),
@@ -142,18 +186,12 @@ class SubRequests:
                 with self.lock:
                     self.metrics.increment("bls_abandoned_subrequests_total", stage=stage)
                 future.add_done_callback(lambda done: self._post(self._abandoned_done, stage, done))
-            self._count_deadline(job, stage)
-            raise DeadlineExceeded(stage, model, limit_ms, what)
-        outcome: Outcome = waiter.result()
-        if outcome.expired:
-            self._count_deadline(job, stage)
-            raise DeadlineExceeded(stage, model, limit_ms, what)
-        job.device_tensors += outcome.device_tensors()  # released when the request is answered
-        if outcome.error is not None:
-            failure = sub_request_failed(stage, model, outcome.error)
-            self._count("bls_subrequest_errors_total", stage, kind=failure.kind.value)
-            raise failure
-        return outcome.outputs
+            return None, True
+        return waiter.result(), False
+
+    def _group_sent(self, stage: str, size: int) -> None:
+        with self.lock:
+            self.metrics.observe("bls_coalesced_group_size", size, stage=stage)
 
     def _abandoned_done(self, stage: str, future: concurrent.futures.Future) -> None:
         """An abandoned sub-request finished (event loop thread): count it, free what it made."""

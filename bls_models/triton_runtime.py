@@ -108,14 +108,18 @@ class Orchestrator:
         self.loop = asyncio.new_event_loop()
         self.responder = Responder(pb_utils, self.lock, self.metrics, self.output_dtypes,
                                    self.config.max_inflight_requests, self.log)
-        self.subrequests = SubRequests(pb_utils, self.lock, self.loop, self.metrics, self.config,
-                                       self.pass_through, self.model)
+        self.subrequests = SubRequests(
+            pb_utils, self.lock, self.loop, self.metrics, self.config, self.pass_through,
+            self.model, max_rows=repository.stage_max_batch(repositories, self.config.stages))
         self.log(f"orchestrating '{self.definition.name}': " + ", ".join(
             f"{s.name} -> {s.model} (as {self.contracts[s.name].name})"
             + (f" (timeout {s.timeout_ms} ms)" if s.timeout_ms else "")
             for s in self.config.stages.values())
             + f"; default deadline {self.config.default_deadline_ms} ms, "
             f"{self.config.concurrency_mode}"
+            + (f", coalescing {', '.join(self.subrequests.coalescers) or 'no stage'} "
+               f"({self.config.coalesce_in_flight} in flight per stage)"
+               if self.config.coalesce else "")
             + "".join(f", {name} {value}" for name, value in self.config.options.items()))
         if self.config.gpu_tensors:
             kept = [f"{stage}'s {', '.join(names)}" for stage, names in self.pass_through.items()]
@@ -229,6 +233,8 @@ class Orchestrator:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        for coalescer in self.subrequests.coalescers.values():
+            await coalescer.close()
 
 
 def python_model(pipeline: PipelineDef | str) -> type:

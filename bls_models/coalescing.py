@@ -1,0 +1,186 @@
+"""Coalescing: one sub-request per stage for the requests that reach it together.
+
+A stage's ``Coalescer`` sends a member (one request's sub-request) as soon as the event loop's
+current turn ends, while fewer than ``max_in_flight`` sub-requests to the stage are out: at
+concurrency 1 nothing waits for company. Members that arrive in the same turn (e.g. the rows of
+one group coming back from the previous stage) go together; members that arrive while the stage
+is busy queue, and the next free slot takes them all as one group (batch-while-busy, no timer): their inputs concatenated along the batch axis, up to the
+stage model's ``max_batch_size`` rows; the outputs split back by rows.
+
+Every member keeps its own semantics:
+
+* **Deadline.** Each member waits with its own limit; one whose limit passes gets ``None`` (the
+  caller answers its deadline error) while its group goes on. A queued member whose limit passes
+  leaves the queue and is never sent. The group's sub-request gets the latest limit of its
+  members.
+* **Isolation.** A sub-request that fails with an error one bad item can cause (the onnxruntime
+  backend runs a batch as one call, so one bad item fails all) has its members re-sent one at a
+  time, each within its own limit: the culprit gets its own error, the others their results.
+  This covers the sub-model's own dynamic batcher too, which may have put a lone member with
+  another request's bad item: a failed group of one is re-sent once.
+
+Pure asyncio and numpy: ``send`` (the runtime's single sub-request) is passed in, so the logic is
+unit-tested without Triton (tests/unit/test_coalescing.py). Runs on the runtime's event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Awaitable, Callable
+
+import numpy as np
+
+# send(inputs, output_names, reduce, limit_seconds, request_id) -> (outcome, timed_out): the
+# runtime's one sub-request; ``outcome`` has .outputs, .error, .expired (subrequests.Outcome).
+Send = Callable[..., Awaitable[tuple[object, bool]]]
+
+
+@dataclass(eq=False)
+class Member:
+    inputs: dict[str, np.ndarray]
+    rows: int
+    expires: float          # monotonic time its stage limit ends
+    request_id: str
+    future: asyncio.Future
+    queued: bool = True
+
+
+@dataclass
+class GroupStats:
+    """What a coalescer did, for metrics and tests."""
+
+    sizes: list[int] = field(default_factory=list)  # members per sub-request sent
+    isolated: int = 0                                 # failed groups re-sent member by member
+
+
+class Coalescer:
+    def __init__(self, max_rows: int, max_in_flight: int, send: Send, outcome: type,
+                 on_group: Callable[[int], None] | None = None,
+                 isolate: Callable[[str], bool] = lambda error: True) -> None:
+        self.max_rows, self.max_in_flight, self.send = max_rows, max(1, max_in_flight), send
+        self.outcome = outcome  # the type ``send`` answers with: outputs, error, expired fields
+        self.on_group = on_group or (lambda size: None)
+        # Whether a failed sub-request's error may come from one bad item of its batch (then
+        # its members are re-sent alone) rather than from the stage as a whole (queue full, ...).
+        self.isolate = isolate
+        self.queues: dict[tuple, deque[Member]] = {}
+        self.in_flight = 0
+        self.pump_scheduled = False
+        self.tasks: set[asyncio.Task] = set()
+        self.stats = GroupStats()
+
+    async def submit(self, inputs: dict[str, np.ndarray], output_names, reduce, limit: float,
+                     request_id: str) -> tuple[object, bool]:
+        """This member's (outcome, timed_out), as ``send`` would give for it alone."""
+        loop = asyncio.get_running_loop()
+        member = Member(inputs, len(next(iter(inputs.values()))), time.monotonic() + limit,
+                        request_id, loop.create_future())
+        key = (tuple(inputs), tuple(output_names), reduce)
+        self.queues.setdefault(key, deque()).append(member)
+        if not self.pump_scheduled:
+            # At the end of this loop turn, not now: members resumed in the same turn (the rows
+            # of one group coming back from the previous stage) go on together.
+            self.pump_scheduled = True
+            loop.call_soon(self._pump)
+        done, _ = await asyncio.wait({member.future}, timeout=max(0.0, limit))
+        if done:
+            return member.future.result()
+        member.future.cancel()  # its group (if any) goes on without it
+        return None, True
+
+    # -- groups --------------------------------------------------------------------------------
+    def _pump(self) -> None:
+        self.pump_scheduled = False
+        while self.in_flight < self.max_in_flight:
+            picked = self._next_group()
+            if picked is None:
+                return
+            key, members = picked
+            self.in_flight += 1
+            task = asyncio.ensure_future(self._run(key, members))
+            self.tasks.add(task)
+            task.add_done_callback(self.tasks.discard)
+
+    def _next_group(self) -> tuple[tuple, list[Member]] | None:
+        now = time.monotonic()
+        for key, queue in self.queues.items():
+            members, rows = [], 0
+            while queue:
+                member = queue[0]
+                if member.future.done() or member.expires <= now:  # gone, or never to be sent
+                    queue.popleft().queued = False
+                    _settle(member, (self.outcome(expired=True), False))
+                    continue
+                if members and rows + member.rows > self.max_rows:
+                    break
+                queue.popleft().queued = False
+                members.append(member)
+                rows += member.rows
+            if members:
+                return key, members
+        return None
+
+    async def _run(self, key: tuple, members: list[Member]) -> None:
+        _, output_names, reduce = key
+        try:
+            self.stats.sizes.append(len(members))
+            self.on_group(len(members))
+            if len(members) == 1:
+                inputs, request_ids = members[0].inputs, members[0].request_id
+            else:
+                inputs = {name: np.concatenate([m.inputs[name] for m in members])
+                          for name in members[0].inputs}
+                request_ids = ",".join(m.request_id for m in members if m.request_id)
+            limit = max(m.expires for m in members) - time.monotonic()
+            outcome, timed_out = await self.send(inputs, output_names, reduce, limit, request_ids)
+            if timed_out or outcome.expired:
+                for member in members:  # each past its own limit by now (the group's is the max)
+                    _settle(member, (outcome, timed_out))
+            elif outcome.error is not None:
+                if self.isolate(outcome.error):
+                    self.stats.isolated += 1
+                    await self._isolate(members, output_names, reduce)
+                else:  # e.g. queue full: the same for each member alone
+                    for member in members:
+                        _settle(member, (outcome, False))
+            elif len(members) == 1:
+                _settle(members[0], (outcome, False))
+            else:
+                start = 0
+                for member in members:
+                    rows = slice(start, start + member.rows)
+                    start += member.rows
+                    _settle(member, (self.outcome(outputs={
+                        name: value[rows] for name, value in outcome.outputs.items()}), False))
+        finally:
+            self.in_flight -= 1
+            self._pump()
+
+    async def _isolate(self, members: list[Member], output_names, reduce) -> None:
+        """Re-send the members of a failed sub-request one by one, each within its own limit:
+        the culprit gets its own error, the others their results. One at a time, because the
+        sub-model's own dynamic batcher would put concurrent ones back into one batch with the
+        culprit. A group of one is re-sent once too: the sub-model's batcher may have put it
+        with another request's bad item."""
+        for member in members:
+            if member.future.done():
+                continue
+            limit = member.expires - time.monotonic()
+            if limit <= 0:
+                _settle(member, (self.outcome(expired=True), False))
+                continue
+            _settle(member, await self.send(member.inputs, output_names, reduce, limit,
+                                            member.request_id))
+
+    async def close(self) -> None:
+        for task in list(self.tasks):
+            task.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+
+
+def _settle(member: Member, result: tuple[object, bool]) -> None:
+    if not member.future.done():
+        member.future.set_result(result)

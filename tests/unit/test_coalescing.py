@@ -1,0 +1,191 @@
+"""The coalescer alone (bls_models/coalescing.py), over a fake ``send``: grouping while busy,
+splitting by rows, each member's own deadline, isolation of a failed group."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from bls_models.coalescing import Coalescer
+
+
+@dataclass
+class Outcome:
+    outputs: dict | None = None
+    error: str | None = None
+    expired: bool = False
+
+
+class FakeStage:
+    """A sub-model that doubles its input, takes ``delay`` per sub-request and fails the whole
+    batch when a row holds ``POISON``, like ONNX Runtime running a batch as one call."""
+
+    POISON = -1.0
+
+    def __init__(self, delay: float = 0.05) -> None:
+        self.delay, self.batches = delay, []
+
+    async def send(self, inputs, output_names, reduce, limit, request_id):
+        x = inputs["X"]
+        self.batches.append((len(x), request_id))
+        await asyncio.sleep(min(self.delay, max(limit, 0)))
+        if self.delay > limit:
+            return None, True
+        if (x == self.POISON).any():
+            return Outcome(error=f"batch of {len(x)} poisoned"), False
+        return Outcome(outputs={"Y": x * 2}), False
+
+
+def member_input(value: float, rows: int = 1) -> dict[str, np.ndarray]:
+    return {"X": np.full((rows, 3), value, np.float32)}
+
+
+async def burst(coalescer, values, limit=5.0, rows=1):
+    return await asyncio.gather(*(coalescer.submit(member_input(v, rows), ("Y",), None, limit,
+                                                   f"r{v}") for v in values))
+
+
+def test_alone_it_is_sent_at_once_and_while_busy_arrivals_go_as_one_group():
+    stage = FakeStage(delay=0.05)
+
+    async def scenario():
+        coalescer = Coalescer(16, 1, stage.send, Outcome)
+        first = asyncio.ensure_future(coalescer.submit(member_input(0), ("Y",), None, 5, "a"))
+        await asyncio.sleep(0.01)  # the first is in flight: the next five wait for it
+        rest = await burst(coalescer, [1, 2, 3, 4, 5])
+        return await first, rest, coalescer.stats
+
+    first, rest, stats = asyncio.run(scenario())
+    assert stats.sizes == [1, 5] and [b for b, _ in stage.batches] == [1, 5]
+    np.testing.assert_array_equal(first[0].outputs["Y"], np.zeros((1, 3)))
+    for value, (outcome, timed_out) in zip([1, 2, 3, 4, 5], rest):
+        assert not timed_out
+        np.testing.assert_array_equal(outcome.outputs["Y"], np.full((1, 3), value * 2))
+
+
+def test_a_group_never_exceeds_the_stage_models_max_batch_size():
+    stage = FakeStage(delay=0.02)
+
+    async def scenario():
+        coalescer = Coalescer(4, 1, stage.send, Outcome)
+        blocker = asyncio.ensure_future(coalescer.submit(member_input(9), ("Y",), None, 5, "b"))
+        await asyncio.sleep(0.005)
+        results = await burst(coalescer, range(6), rows=2)  # 12 rows: groups of at most 4 rows
+        await blocker
+        return results
+
+    results = asyncio.run(scenario())
+    assert all(rows <= 4 for rows, _ in stage.batches)
+    for value, (outcome, _) in zip(range(6), results):
+        assert outcome.outputs["Y"].shape == (2, 3)
+        assert (outcome.outputs["Y"] == value * 2).all()
+
+
+def test_a_member_whose_deadline_passes_is_let_go_while_its_group_goes_on():
+    stage = FakeStage(delay=0.2)
+
+    async def scenario():
+        coalescer = Coalescer(16, 1, stage.send, Outcome)
+        blocker = asyncio.ensure_future(coalescer.submit(member_input(7), ("Y",), None, 5, "b"))
+        await asyncio.sleep(0.01)
+        short = coalescer.submit(member_input(1), ("Y",), None, 0.1, "short")
+        long = coalescer.submit(member_input(2), ("Y",), None, 5.0, "long")
+        started = time.monotonic()
+        timed_short = asyncio.ensure_future(short)
+        done_short = await timed_short
+        short_elapsed = time.monotonic() - started
+        return done_short, short_elapsed, await long, await blocker
+
+    (short, short_timed_out), elapsed, (long, _), _ = asyncio.run(scenario())
+    assert short is None and short_timed_out and elapsed < 0.1 + 0.25  # support.SLACK
+    assert (long.outputs["Y"] == 4).all()
+    # The short member expired in the queue: it was never sent.
+    assert not any("short" in ids for _, ids in stage.batches)
+
+
+def test_a_failed_group_is_resent_member_by_member_so_only_the_culprit_fails():
+    stage = FakeStage(delay=0.02)
+
+    async def scenario():
+        coalescer = Coalescer(16, 1, stage.send, Outcome)
+        blocker = asyncio.ensure_future(coalescer.submit(member_input(8), ("Y",), None, 5, "b"))
+        await asyncio.sleep(0.005)
+        results = await burst(coalescer, [1, FakeStage.POISON, 3])
+        await blocker
+        return results, coalescer.stats
+
+    results, stats = asyncio.run(scenario())
+    assert stats.isolated == 1 and stats.sizes == [1, 3]
+    assert [rows for rows, _ in stage.batches] == [1, 3, 1, 1, 1]
+    (good1, _), (bad, _), (good3, _) = results
+    assert bad.error and "poisoned" in bad.error and bad.outputs is None
+    assert (good1.outputs["Y"] == 2).all() and (good3.outputs["Y"] == 6).all()
+
+
+def test_every_member_gets_exactly_its_own_rows_under_a_burst():
+    stage = FakeStage(delay=0.005)
+    values = list(range(500))
+
+    async def scenario():
+        coalescer = Coalescer(16, 2, stage.send, Outcome)
+        return await burst(coalescer, values), coalescer.stats
+
+    results, stats = asyncio.run(scenario())
+    for value, (outcome, timed_out) in zip(values, results):
+        assert not timed_out and (outcome.outputs["Y"] == value * 2).all()
+    assert sum(stats.sizes) == 500 and max(stats.sizes) <= 16
+    assert len(stats.sizes) < 500 / 4  # grouped, not one by one
+
+
+def test_a_lone_member_that_failed_is_resent_once_and_a_stage_error_is_not():
+    """The sub-model's batcher may have put a lone member with another request's bad item: it is
+    re-sent alone once. An error about the stage (here: queue full) is not re-sent."""
+    calls = []
+
+    async def flaky(inputs, output_names, reduce, limit, request_id):
+        calls.append(request_id)
+        if request_id == "unlucky" and calls.count("unlucky") == 1:
+            return Outcome(error="onnx runtime error 2: batch had a bad index"), False
+        if request_id == "full":
+            return Outcome(error="Exceeds maximum queue size"), False
+        return Outcome(outputs={"Y": inputs["X"]}), False
+
+    async def scenario():
+        coalescer = Coalescer(16, 1, flaky, Outcome,
+                              isolate=lambda error: "queue size" not in error)
+        unlucky = await coalescer.submit(member_input(1), ("Y",), None, 5, "unlucky")
+        full = await coalescer.submit(member_input(2), ("Y",), None, 5, "full")
+        return unlucky, full
+
+    (unlucky, _), (full, _) = asyncio.run(scenario())
+    assert unlucky.error is None and calls.count("unlucky") == 2
+    assert full.error and calls.count("full") == 1
+
+
+def test_isolation_resends_one_at_a_time_so_the_sub_models_batcher_cannot_regroup_them():
+    in_flight, peak = 0, 0
+    stage = FakeStage(delay=0.01)
+
+    async def counting(*args):
+        nonlocal in_flight, peak
+        in_flight += 1
+        peak = max(peak, in_flight)
+        try:
+            return await stage.send(*args)
+        finally:
+            in_flight -= 1
+
+    async def scenario():
+        coalescer = Coalescer(16, 1, counting, Outcome)
+        blocker = asyncio.ensure_future(coalescer.submit(member_input(8), ("Y",), None, 5, "b"))
+        await asyncio.sleep(0.002)
+        results = await burst(coalescer, [1, 2, FakeStage.POISON, 4])
+        await blocker
+        return results
+
+    results = asyncio.run(scenario())
+    assert peak == 1
+    assert [bool(outcome.error) for outcome, _ in results] == [False, False, True, False]
