@@ -101,7 +101,7 @@ def variant_specs(repository: Path) -> list[tuple[S.ModelSpec, str]]:
 
 def build_variants(target: Path, repository: Path) -> Path:
     """Fault models (the designs use them) and the benchmark variants, in ``target``."""
-    variants.build(target, repository, variants=())
+    variants.build(target, repository, variants=variants.coalesced_variants(repository))
     return write_variants(target, repository)
 
 
@@ -150,13 +150,15 @@ def orchestration(ctx: Context) -> Result:
     for p in direct:
         result.add("client calls sub-models", p)
     bls = result.add_run("BLS pipeline", perf.run("pipeline", url, levels, ctx.settings))
+    coalesced = result.add_run("BLS pipeline, coalesced",
+                               perf.run("pipeline_coalesced", url, levels, ctx.settings))
     ens = result.add_run("ensemble", perf.run("pipeline_ensemble", url, levels, ctx.settings))
 
-    best = {name: _best(points) for name, points in
-            (("in-process", inproc), ("direct", direct), ("bls", bls), ("ensemble", ens))}
+    ways = (("in-process", inproc), ("direct", direct), ("bls", bls), ("coalesced", coalesced),
+            ("ensemble", ens))
+    best = {name: _best(points) for name, points in ways}
     tp = {k: (v.throughput if v else None) for k, v in best.items()}
-    one = {k: _at(points, 1) for k, points in
-           (("in-process", inproc), ("direct", direct), ("bls", bls), ("ensemble", ens))}
+    one = {k: _at(points, 1) for k, points in ways}
     c16 = {k: _at(points, 16) for k, points in (("bls", bls), ("ensemble", ens))}
     result.summary += [
         "| way | best throughput (req/s) | at concurrency | p50 at concurrency 1 (ms) |",
@@ -164,8 +166,15 @@ def orchestration(ctx: Context) -> Result:
         *[f"| {label} | {best[k].throughput:.0f} | {best[k].concurrency} | "
           f"{one[k].p50_ms:.2f} |" for k, label in
           (("in-process", "in-process onnxruntime"), ("direct", "client calls sub-models"),
-           ("bls", "BLS `pipeline`"), ("ensemble", "`pipeline_ensemble`")) if best[k] and one[k]],
+           ("bls", "BLS `pipeline`"), ("coalesced", "BLS `pipeline`, coalescing on"),
+           ("ensemble", "`pipeline_ensemble`")) if best[k] and one[k]],
         "",
+        _target("coalesced BLS / ensemble throughput (best concurrency)",
+                tp["coalesced"] / tp["ensemble"] if tp["coalesced"] and tp["ensemble"] else None,
+                1.0, "higher"),
+        _target("coalesced / uncoalesced BLS p50 at concurrency 1",
+                one["coalesced"].p50_ms / one["bls"].p50_ms
+                if one["coalesced"] and one["bls"] else None, 1.05, "lower"),
         _target("BLS / ensemble throughput (best concurrency)",
                 tp["bls"] / tp["ensemble"] if tp["bls"] and tp["ensemble"] else None, 0.9, "higher"),
         _target("BLS / in-process throughput (best concurrency)",
@@ -197,15 +206,14 @@ def cpu_accounting(ctx: Context, result: Result, local: clients.InProcess,
     cores divided by the CPU one request costs, summed over every process it touches."""
     concurrency = 4 if ctx.quick else ACCOUNTING_CONCURRENCY
     seconds = 2.0 if ctx.quick else 15.0
-    loads = {model: profile.drive(ctx.server, model, concurrency, seconds, warmup=1 if ctx.quick else 5)
-             for model in ("pipeline", "pipeline_ensemble")}
+    ways = {"bls": "pipeline", "coalesced": "pipeline_coalesced", "ensemble": "pipeline_ensemble"}
+    loads = {way: profile.drive(ctx.server, model, concurrency, seconds,
+                                warmup=1 if ctx.quick else 5) for way, model in ways.items()}
     measured, inproc_ms = local.cpu_per_request(lambda: local.pipeline(image), 4, seconds)
     columns = {"in-process": {"in-process (one Python process)": inproc_ms},
-               "bls": loads["pipeline"].cpu_ms_per_request(),
-               "ensemble": loads["pipeline_ensemble"].cpu_ms_per_request()}
+               **{way: load.cpu_ms_per_request() for way, load in loads.items()}}
     throughput = {"in-process": measured.throughput,
-                  "bls": loads["pipeline"].requests / loads["pipeline"].seconds,
-                  "ensemble": loads["pipeline_ensemble"].requests / loads["pipeline_ensemble"].seconds}
+                  **{way: load.requests / load.seconds for way, load in loads.items()}}
     totals = {k: sum(v.values()) for k, v in columns.items()}
     for way, values in columns.items():
         for process, ms in values.items():
@@ -215,23 +223,30 @@ def cpu_accounting(ctx: Context, result: Result, local: clients.InProcess,
                                 "throughput": round(throughput[way], 2)})
     labels = sorted({k for v in columns.values() for k in v},
                     key=lambda k: -max(v.get(k, 0.0) for v in columns.values()))
+    order = ("in-process", "bls", "coalesced", "ensemble")
     lines = ["", f"CPU per request by process, each way driven at concurrency {concurrency} for "
              f"{seconds:.0f} s (in-process: 4 threads), from /proc of every process (perf_analyzer "
              "included; ms of CPU per completed request). The ONNX models have no process of "
              "their own: Triton's C++ onnxruntime backend runs them inside tritonserver, whose "
              "row includes them:", "",
-             "| process | in-process | BLS `pipeline` | `pipeline_ensemble` |", "|---|---|---|---|"]
+             "| process | in-process | BLS `pipeline` | BLS, coalescing on | `pipeline_ensemble` |",
+             "|---|---|---|---|---|"]
     for label in labels:
-        cells = [columns[k].get(label, 0.0) for k in ("in-process", "bls", "ensemble")]
+        cells = [columns[k].get(label, 0.0) for k in order]
         if max(cells) >= 0.05:
             name = SERVER_ROW if label == "tritonserver" else label
             lines.append(f"| {name} | " + " | ".join(f"{c:.2f}" if c else "–" for c in cells) + " |")
-    lines.append("| **total** | " + " | ".join(f"**{totals[k]:.2f}**"
-                                               for k in ("in-process", "bls", "ensemble")) + " |")
+    lines.append("| **total** | " + " | ".join(f"**{totals[k]:.2f}**" for k in order) + " |")
     lines.append("| throughput in this period (req/s) | " + " | ".join(
-        f"{throughput[k]:.0f}" for k in ("in-process", "bls", "ensemble")) + " |")
+        f"{throughput[k]:.0f}" for k in order) + " |")
+    stubs = {way: sum(v for k, v in columns[way].items() if k.startswith(f"{model} "))
+             for way, model in ways.items()}
+    lines.append("")
+    lines.append(_target("coalesced / uncoalesced orchestrator stub CPU per request",
+                         stubs["coalesced"] / stubs["bls"] if stubs["bls"] else None,
+                         0.33, "lower"))
     bls, ens = columns["bls"], columns["ensemble"]
-    stub = sum(v for k, v in bls.items() if k.startswith("pipeline "))
+    stub = stubs["bls"]
     server = bls.get("tritonserver", 0.0) - ens.get("tritonserver", 0.0)
     lines += ["", f"- With both cores busy, throughput ≈ cores / CPU per request, so BLS / ensemble "
               f"≈ {totals['ensemble']:.1f} / {totals['bls']:.1f} = "

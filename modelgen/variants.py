@@ -97,6 +97,13 @@ def variant_named(name: str) -> S.ModelSpec:
     return next(model for model in VARIANTS if model.name == name)
 
 
+def coalesced_variants(real_repository: Path) -> tuple[S.ModelSpec, ...]:
+    """The orchestrators with coalescing on, over the real sub-models (tests and benchmarks)."""
+    return tuple(variant(base, f"{base.name}_coalesced", coalesce="on",
+                         stage_model_repositories=str(real_repository))
+                 for base in (S.PIPELINE, S.TAG_PIPELINE))
+
+
 def real_model_variants(real_repository: Path) -> tuple[S.ModelSpec, ...]:
     """Orchestrator variants over the real sub-models (found in ``real_repository``)."""
     return (
@@ -110,9 +117,17 @@ def real_model_variants(real_repository: Path) -> tuple[S.ModelSpec, ...]:
         # so this exercises the fallback (tests/live/test_pipelines.py).
         variant(S.PIPELINE, "pipeline_gpu_tensors", gpu_tensors="on",
                 stage_model_repositories=str(real_repository)),
-        # The classifier stage on the poisonable model (tests/live/test_batch_failures.py).
+        # The classifier stage on the poisonable model (tests/live/test_backend_errors.py).
         variant(S.PIPELINE, "pipeline_poison", classifier_model=FAULT_BATCH.name,
                 stage_model_repositories=str(real_repository)),
+        *coalesced_variants(real_repository),
+        # Coalescing on the poisonable model (tests/live/test_coalescing.py), one instance:
+        # two instances isolate their groups independently, and the sub-model's batcher may
+        # put one instance's re-sent innocent request with the other's re-sent culprit.
+        dataclasses.replace(
+            variant(S.PIPELINE, "pipeline_poison_coalesced", classifier_model=FAULT_BATCH.name,
+                    coalesce="on", stage_model_repositories=str(real_repository)),
+            instance_count=1),
     )
 
 def build(target: Path, real_repository: Path, variants=None) -> Path:
