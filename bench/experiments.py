@@ -150,8 +150,8 @@ def orchestration(ctx: Context) -> Result:
     for p in direct:
         result.add("client calls sub-models", p)
     bls = result.add_run("BLS pipeline", perf.run("pipeline", url, levels, ctx.settings))
-    coalesced = result.add_run("BLS pipeline, coalesced",
-                               perf.run("pipeline_coalesced", url, levels, ctx.settings))
+    coalesced_run, groups = run_with_groups(ctx, "pipeline_coalesced", levels)
+    coalesced = result.add_run("BLS pipeline, coalesced", coalesced_run)
     ens = result.add_run("ensemble", perf.run("pipeline_ensemble", url, levels, ctx.settings))
 
     ways = (("in-process", inproc), ("direct", direct), ("bls", bls), ("coalesced", coalesced),
@@ -194,10 +194,91 @@ def orchestration(ctx: Context) -> Result:
             "small is within run-to-run noise here; the hops also run the sub-models with other "
             "thread counts than in-process (1 ONNX Runtime thread per session there).",
         ]
+    result.summary += group_table(groups)
+    tags = result.add_run("tag_pipeline", perf.run("tag_pipeline", url, levels, ctx.settings))
+    tags_coalesced = result.add_run("tag_pipeline, coalesced",
+                                    perf.run("tag_pipeline_coalesced", url, levels, ctx.settings))
+    tag_best = {k: _best(points) for k, points in (("off", tags), ("on", tags_coalesced))}
+    if tag_best["off"] and tag_best["on"]:
+        result.summary.append(
+            f"- `tag_pipeline` best throughput, coalesced / uncoalesced: "
+            f"{tag_best['on'].throughput:.0f} / {tag_best['off'].throughput:.0f} req/s = "
+            f"**{tag_best['on'].throughput / tag_best['off'].throughput:.2f}**")
     result.summary += cpu_accounting(ctx, result, local, image)
     result.plot = {"kind": "curve", "title": "Throughput vs p95 latency (concurrency sweep)",
                    "filter": {"scenario": None}}
     return result
+
+
+GROUP_STAGES = ("preprocess", "classifier", "embedder")
+
+
+def group_sizes(metrics_url: str, model: str) -> dict[str, dict[str, float]]:
+    """Stage -> {bucket upper bound: cumulative count, "sum": .., "count": ..} of
+    ``bls_coalesced_group_size``, now."""
+    import re
+    import urllib.request
+
+    with urllib.request.urlopen(metrics_url, timeout=10) as response:
+        text = response.read().decode()
+    found: dict[str, dict[str, float]] = {}
+    for line in text.splitlines():
+        match = re.match(r"^bls_coalesced_group_size_(bucket|sum|count)\{(.*)\} (\S+)$", line)
+        if not match:
+            continue
+        labels = dict(re.findall(r'(\w+)="([^"]*)"', match.group(2)))
+        if labels.get("model") == model:
+            stage = found.setdefault(labels["stage"], {})
+            key = labels["le"] if match.group(1) == "bucket" else match.group(1)
+            stage[key] = stage.get(key, 0.0) + float(match.group(3))
+    return found
+
+
+def run_with_groups(ctx: Context, model: str, levels: list[int]
+                    ) -> tuple[perf.Run, dict[int, dict[str, dict[str, float]]]]:
+    """perf_analyzer over ``levels``, one at a time, with the group sizes each level produced
+    (the difference of ``bls_coalesced_group_size`` across the level)."""
+    url, combined, groups = ctx.server.grpc_url, None, {}
+    for level in levels:
+        before = group_sizes(ctx.server.metrics_url, model)
+        run = perf.run(model, url, [level], ctx.settings)
+        after = group_sizes(ctx.server.metrics_url, model)
+        groups[level] = {stage: {le: count - before.get(stage, {}).get(le, 0.0)
+                                 for le, count in buckets.items()}
+                         for stage, buckets in after.items()}
+        if combined is None:
+            combined = run
+        else:
+            combined.points += run.points
+            combined.error += ("; " if combined.error and run.error else "") + run.error
+            combined.retried += run.retried
+            combined.command = [*combined.command[:-1],
+                                f"{combined.command[-1]},{level}"]
+    return combined, groups
+
+
+def group_table(groups: dict[int, dict[str, dict[str, float]]]) -> list[str]:
+    """Requests per sub-request at each concurrency, per stage: the mean and the share of
+    sub-requests that carried a single request."""
+    lines = ["", "Coalescing: requests per sub-request at each concurrency (mean; share of "
+             "sub-requests that carried one request; perf_analyzer's warm-up and trials "
+             "included):", "",
+             "| concurrency | " + " | ".join(GROUP_STAGES) + " |",
+             "|---|" + "---|" * len(GROUP_STAGES)]
+    for level, stages in groups.items():
+        cells = []
+        for stage in GROUP_STAGES:
+            buckets = stages.get(stage, {})
+            total = buckets.get("count", 0.0)
+            if not total:
+                cells.append("–")
+                continue
+            bounds = sorted((float(le), count) for le, count in buckets.items()
+                            if le not in ("+Inf", "sum", "count"))
+            alone = bounds[0][1] if bounds and bounds[0][0] == 1.0 else 0.0
+            cells.append(f"{buckets['sum'] / total:.1f}; {alone / total:.0%} alone")
+        lines.append(f"| {level} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def cpu_accounting(ctx: Context, result: Result, local: clients.InProcess,
