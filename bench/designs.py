@@ -44,11 +44,13 @@ class Design:
     instances: int
     mode: str
     decoupled: bool = False
+    coalesce: bool = False
 
 
 DESIGNS = (
     Design("event_loop x2 (production)", "design_event_loop_2", 2, "event_loop"),
     Design("event_loop x1", "design_event_loop_1", 1, "event_loop"),
+    Design("event_loop x2, coalescing", "design_coalesced_2", 2, "event_loop", coalesce=True),
     Design("batch_gather x1", "design_batch_gather_1", 1, "batch_gather"),
     Design("batch_gather x4", "design_batch_gather_4", 4, "batch_gather"),
     Design("decoupled x1 (stream only)", "design_decoupled_1", 1, "event_loop", decoupled=True),
@@ -60,6 +62,7 @@ def design_specs(repository: Path) -> list[S.ModelSpec]:
                                 decoupled=d.decoupled,
                                 parameters={**S.PIPELINE.parameters, **STAGES,
                                             "concurrency_mode": d.mode,
+                                            "coalesce": "on" if d.coalesce else "off",
                                             "stage_model_repositories": str(repository)})
             for d in DESIGNS]
 
