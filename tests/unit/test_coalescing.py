@@ -48,6 +48,15 @@ async def burst(coalescer, values, limit=5.0, rows=1):
                                                    f"r{v}") for v in values))
 
 
+async def behind_a_blocker(coalescer, then, pause: float = 0.005):
+    """Send one member, wait ``pause`` (it is then in flight), run ``then()``; its result and
+    the blocker's."""
+    blocker = asyncio.ensure_future(coalescer.submit(member_input(9), ("Y",), None, 5, "b"))
+    await asyncio.sleep(pause)
+    result = await then()
+    return result, await blocker
+
+
 def test_alone_it_is_sent_at_once_and_while_busy_arrivals_go_as_one_group():
     stage = FakeStage(delay=0.05)
 
@@ -71,10 +80,8 @@ def test_a_group_never_exceeds_the_stage_models_max_batch_size():
 
     async def scenario():
         coalescer = Coalescer(4, 1, stage.send, Outcome)
-        blocker = asyncio.ensure_future(coalescer.submit(member_input(9), ("Y",), None, 5, "b"))
-        await asyncio.sleep(0.005)
-        results = await burst(coalescer, range(6), rows=2)  # 12 rows: groups of at most 4 rows
-        await blocker
+        # 12 rows: groups of at most 4 rows
+        results, _ = await behind_a_blocker(coalescer, lambda: burst(coalescer, range(6), rows=2))
         return results
 
     results = asyncio.run(scenario())
@@ -89,17 +96,17 @@ def test_a_member_whose_deadline_passes_is_let_go_while_its_group_goes_on():
 
     async def scenario():
         coalescer = Coalescer(16, 1, stage.send, Outcome)
-        blocker = asyncio.ensure_future(coalescer.submit(member_input(7), ("Y",), None, 5, "b"))
-        await asyncio.sleep(0.01)
-        short = coalescer.submit(member_input(1), ("Y",), None, 0.1, "short")
-        long = coalescer.submit(member_input(2), ("Y",), None, 5.0, "long")
-        started = time.monotonic()
-        timed_short = asyncio.ensure_future(short)
-        done_short = await timed_short
-        short_elapsed = time.monotonic() - started
-        return done_short, short_elapsed, await long, await blocker
 
-    (short, short_timed_out), elapsed, (long, _), _ = asyncio.run(scenario())
+        async def short_and_long():
+            long = asyncio.ensure_future(coalescer.submit(member_input(2), ("Y",), None, 5.0,
+                                                          "long"))
+            started = time.monotonic()
+            short = await coalescer.submit(member_input(1), ("Y",), None, 0.1, "short")
+            return short, time.monotonic() - started, await long
+
+        return (await behind_a_blocker(coalescer, short_and_long, pause=0.01))[0]
+
+    (short, short_timed_out), elapsed, (long, _) = asyncio.run(scenario())
     assert short is None and short_timed_out and elapsed < 0.1 + 0.25  # support.SLACK
     assert (long.outputs["Y"] == 4).all()
     # The short member expired in the queue: it was never sent.
@@ -111,10 +118,8 @@ def test_a_failed_group_is_resent_member_by_member_so_only_the_culprit_fails():
 
     async def scenario():
         coalescer = Coalescer(16, 1, stage.send, Outcome)
-        blocker = asyncio.ensure_future(coalescer.submit(member_input(8), ("Y",), None, 5, "b"))
-        await asyncio.sleep(0.005)
-        results = await burst(coalescer, [1, FakeStage.POISON, 3])
-        await blocker
+        results, _ = await behind_a_blocker(coalescer,
+                                            lambda: burst(coalescer, [1, FakeStage.POISON, 3]))
         return results, coalescer.stats
 
     results, stats = asyncio.run(scenario())
@@ -180,11 +185,8 @@ def test_isolation_resends_one_at_a_time_so_the_sub_models_batcher_cannot_regrou
 
     async def scenario():
         coalescer = Coalescer(16, 1, counting, Outcome)
-        blocker = asyncio.ensure_future(coalescer.submit(member_input(8), ("Y",), None, 5, "b"))
-        await asyncio.sleep(0.002)
-        results = await burst(coalescer, [1, 2, FakeStage.POISON, 4])
-        await blocker
-        return results
+        return (await behind_a_blocker(
+            coalescer, lambda: burst(coalescer, [1, 2, FakeStage.POISON, 4]), pause=0.002))[0]
 
     results = asyncio.run(scenario())
     assert peak == 1

@@ -68,15 +68,6 @@ def settled_metric(pb: FakePbUtils, family: str, **labels: str) -> float:
     return pb.metric(family, **labels)
 
 
-@pytest.fixture
-def made():
-    """Orchestrators made by a test, closed afterwards whatever happened."""
-    made: list[Orchestrator] = []
-    yield made
-    for orch in made:
-        orch.close()
-
-
 def test_each_request_is_answered_once_with_its_outputs(made):
     pb = FakePbUtils(sub_models())
     made.append(orch := orchestrator(pb))

@@ -12,7 +12,7 @@ import numpy as np
 from bls_models import pipelines
 from bls_models import spec as S
 from tests.unit.fake_pb_utils import FakePbUtils, Request, SubModelError
-from tests.unit.test_runtime import made, orchestrator, settled_metric, wait_answered  # noqa: F401
+from tests.unit.test_runtime import orchestrator, settled_metric, wait_answered
 
 POISON = 13  # an image of this value fails its classifier batch, as a bad item fails an ORT batch
 
@@ -77,6 +77,15 @@ def coalescing(made, models: RowModels, **parameters):
     return pb, orch
 
 
+def behind_a_blocker(orch, group: list[Request], pause: float = 0.02) -> Request:
+    """Start one request, then (its first sub-request out) send ``group`` in one execute."""
+    blocker = Request(image_of(1))
+    orch.execute([blocker])
+    time.sleep(pause)
+    orch.execute(group)
+    return blocker
+
+
 def test_a_burst_is_grouped_and_each_request_gets_exactly_its_own_rows(made):
     models = RowModels()
     pb, orch = coalescing(made, models)
@@ -109,11 +118,8 @@ def test_alone_a_request_waits_for_no_company(made):
 def test_a_poisoned_request_fails_alone_and_its_group_gets_exact_results(made):
     models = RowModels(delay=0.05)
     pb, orch = coalescing(made, models, coalesce_in_flight="1")
-    blocker = Request(image_of(1))
-    orch.execute([blocker])
-    time.sleep(0.02)  # the blocker's preprocess is out: the next four go together
     group = [Request(image_of(v)) for v in (2, POISON, 4, 5)]
-    orch.execute(group)
+    blocker = behind_a_blocker(orch, group)  # the four go together
     wait_answered([blocker, *group], timeout=20)
     for value, request in zip((2, POISON, 4, 5), group):
         (response,) = request.sender.sent
@@ -132,13 +138,10 @@ def test_a_poisoned_request_fails_alone_and_its_group_gets_exact_results(made):
 def test_a_short_deadline_in_a_group_is_answered_on_time_and_the_long_ones_succeed(made):
     models = RowModels(delay=0.3)
     pb, orch = coalescing(made, models, coalesce_in_flight="1")
-    blocker = Request(image_of(1))
-    orch.execute([blocker])
-    time.sleep(0.02)
     short = Request(image_of(2), timeout_us=150_000)
     long = [Request(image_of(v), timeout_us=5_000_000) for v in (3, 4)]
     started = time.monotonic()
-    orch.execute([short, *long])
+    blocker = behind_a_blocker(orch, [short, *long])
     wait_answered([short])
     elapsed = time.monotonic() - started
     wait_answered(long, timeout=20)
@@ -152,11 +155,8 @@ def test_a_short_deadline_in_a_group_is_answered_on_time_and_the_long_ones_succe
 def test_a_cancelled_member_leaves_before_the_next_stage_and_its_group_finishes(made):
     models = RowModels(delay=0.2)
     pb, orch = coalescing(made, models, coalesce_in_flight="1")
-    blocker = Request(image_of(1))
-    orch.execute([blocker])
-    time.sleep(0.02)
     group = [Request(image_of(v)) for v in (2, 3, 4)]
-    orch.execute(group)
+    blocker = behind_a_blocker(orch, group)
     time.sleep(0.25)  # the three are in preprocess together
     group[1].sender.cancelled.set()
     wait_answered([blocker, *group], timeout=20)
