@@ -9,7 +9,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-import pytest
 
 from bls_models import spec as S
 from bls_models.metrics import FLUSH_SECONDS
