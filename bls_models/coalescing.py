@@ -68,6 +68,11 @@ class Coalescer:
         self.isolate = isolate
         self.queues: dict[tuple, deque[Member]] = {}
         self.in_flight = 0
+        # Isolation has the stage to itself: re-sends wait until nothing else of this stage is
+        # out, and nothing new goes out until they are done (see _isolate_alone).
+        self.exclusive = asyncio.Lock()
+        self.isolations = 0          # failed sub-requests waiting for, or in, isolation
+        self.quiet = asyncio.Event()  # set whenever a sub-request of this stage comes back
         self.pump_scheduled = False
         self.tasks: set[asyncio.Task] = set()
         self.stats = GroupStats()
@@ -94,7 +99,7 @@ class Coalescer:
     # -- groups --------------------------------------------------------------------------------
     def _pump(self) -> None:
         self.pump_scheduled = False
-        while self.in_flight < self.max_in_flight:
+        while self.in_flight < self.max_in_flight and not self.isolations:
             picked = self._next_group()
             if picked is None:
                 return
@@ -125,6 +130,7 @@ class Coalescer:
 
     async def _run(self, key: tuple, members: list[Member]) -> None:
         _, output_names, reduce = key
+        holding = [True]  # this task's slot in in_flight (isolation gives it back while waiting)
         try:
             self.stats.sizes.append(len(members))
             self.on_group(len(members))
@@ -142,7 +148,7 @@ class Coalescer:
             elif outcome.error is not None:
                 if self.isolate(outcome.error):
                     self.stats.isolated += 1
-                    await self._isolate(members, output_names, reduce)
+                    await self._isolate_alone(members, output_names, reduce, holding)
                 else:  # e.g. queue full: the same for each member alone
                     for member in members:
                         _settle(member, (outcome, False))
@@ -156,15 +162,38 @@ class Coalescer:
                     _settle(member, (self.outcome(outputs={
                         name: value[rows] for name, value in outcome.outputs.items()}), False))
         finally:
-            self.in_flight -= 1
+            if holding[0]:
+                self.in_flight -= 1
+            self.quiet.set()
             self._pump()
+
+    async def _isolate_alone(self, members: list[Member], output_names, reduce,
+                             holding: list[bool]) -> None:
+        """``_isolate`` with the stage to itself. A re-sent member must not meet another
+        sub-request in the sub-model's batch (the culprit's, re-sent by another isolation, or a
+        group sent meanwhile), so: stop sending new groups, give back this task's slot, take
+        the stage's isolation lock, wait until nothing of this stage is out, then re-send."""
+        self.isolations += 1
+        self.in_flight -= 1
+        holding[0] = False
+        self.quiet.set()
+        try:
+            async with self.exclusive:
+                while self.in_flight > 0:
+                    self.quiet.clear()
+                    await self.quiet.wait()
+                self.in_flight += 1
+                holding[0] = True
+                await self._isolate(members, output_names, reduce)
+        finally:
+            self.isolations -= 1
 
     async def _isolate(self, members: list[Member], output_names, reduce) -> None:
         """Re-send the members of a failed sub-request one by one, each within its own limit:
         the culprit gets its own error, the others their results. One at a time, because the
         sub-model's own dynamic batcher would put concurrent ones back into one batch with the
         culprit. A group of one is re-sent once too: the sub-model's batcher may have put it
-        with another request's bad item."""
+        with another request's bad item. Called with the stage to itself."""
         for member in members:
             if member.future.done():
                 continue

@@ -142,17 +142,22 @@ def test_a_poisoned_request_in_a_group_fails_alone_and_the_others_are_exact(serv
     assert bad.status() == STATUS[protocol]["INVALID_ARG"] and "out of data bounds" in bad.message()
     for i in (0, 1, 3):
         assert not isinstance(outcomes[i], Exception), outcomes[i]
-        # Exactly what the same image gets alone, through the same models.
+        # What the same image gets alone, through the same models: the same classes and
+        # embedding; the test model's probabilities depend on its batch's composition by a few
+        # float32 ulps (its MatMul), as in test_backend_errors.py.
         (alone,) = _together(server, protocol, "pipeline_poison", [images[i]])
-        for name in ("CLASS_IDS", "CLASS_PROBS", "EMBEDDING"):
+        for name in ("CLASS_IDS", "EMBEDDING"):
             np.testing.assert_array_equal(outcomes[i].as_numpy(name), alone.as_numpy(name))
+        np.testing.assert_allclose(outcomes[i].as_numpy("CLASS_PROBS"),
+                                   alone.as_numpy("CLASS_PROBS"), rtol=1e-5, atol=1e-5)
 
 
 def test_short_and_long_deadlines_in_one_group(server, expected):
-    """Ten requests together; two may take 30 ms (less than the pipeline takes here), the rest
-    30 s. The short ones are answered with the deadline error on time, the long ones succeed."""
+    """Ten requests together; two may take 5 ms (less than the group's first stage takes here:
+    30 ms was once met under load), the rest 30 s. The short ones are answered with the deadline
+    error, the long ones succeed."""
     images = expected[0]
-    timeouts = [30_000 if i in (3, 7) else 30_000_000 for i in range(10)]
+    timeouts = [5_000 if i in (3, 7) else 30_000_000 for i in range(10)]
     started = time.monotonic()
     outcomes = _together(server, "grpc", COALESCED, [images[i:i + 1] for i in range(10)],
                          timeouts)

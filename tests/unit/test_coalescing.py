@@ -191,3 +191,49 @@ def test_isolation_resends_one_at_a_time_so_the_sub_models_batcher_cannot_regrou
     results = asyncio.run(scenario())
     assert peak == 1
     assert [bool(outcome.error) for outcome, _ in results] == [False, False, True, False]
+
+
+class BatchingStage:
+    """A sub-model with its own dynamic batcher: sub-requests that arrive within ``window`` run
+    as one batch, which fails for all of them if any row is poisoned (Triton's batcher in front
+    of ONNX Runtime)."""
+
+    def __init__(self, window: float = 0.02) -> None:
+        self.window, self.waiting, self.batches = window, [], []
+
+    async def send(self, inputs, output_names, reduce, limit, request_id):
+        future = asyncio.get_running_loop().create_future()
+        self.waiting.append((inputs["X"], future))
+        if len(self.waiting) == 1:
+            asyncio.get_running_loop().call_later(self.window, self._run)
+        return await future, False
+
+    def _run(self):
+        batch, self.waiting = self.waiting, []
+        self.batches.append(sum(len(x) for x, _ in batch))
+        poisoned = any((x == FakeStage.POISON).any() for x, _ in batch)
+        for x, future in batch:
+            future.set_result(Outcome(error="onnx runtime error 2: out of bounds") if poisoned
+                              else Outcome(outputs={"Y": x * 2}))
+
+
+def test_isolation_has_the_stage_to_itself_so_the_sub_models_batcher_cannot_mix_re_sends():
+    """Two sub-requests out at once (a group with the culprit, and a lone innocent one) land in
+    one batch of the sub-model and both fail. Their isolations run one after the other, with
+    nothing else of the stage out: every innocent member succeeds."""
+    stage = BatchingStage()
+
+    async def scenario():
+        coalescer = Coalescer(16, 2, stage.send, Outcome)
+        first = asyncio.ensure_future(coalescer.submit(member_input(FakeStage.POISON), ("Y",),
+                                                       None, 5, "culprit"))
+        await asyncio.sleep(0.002)  # the culprit is out alone; the group takes the second slot
+        group = asyncio.ensure_future(burst(coalescer, [2, 3, 4]))
+        return await first, await group, coalescer.stats
+
+    (culprit, _), group, stats = asyncio.run(scenario())
+    assert stats.sizes == [1, 3] and stats.isolated == 2
+    assert culprit.error is not None
+    for value, (outcome, _) in zip([2, 3, 4], group):
+        assert outcome.error is None and (outcome.outputs["Y"] == value * 2).all()
+    assert stage.batches[0] == 4  # the first batch mixed both sub-requests
