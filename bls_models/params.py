@@ -75,7 +75,8 @@ COALESCE = Param(
     "coalesce", "off",
     "`on`: requests that reach a stage while its sub-requests are out go to it together, as one "
     "sub-request of up to the stage model's `max_batch_size` rows (docs/orchestrator.md, "
-    "\"Coalescing\"); a stage whose outputs stay on the GPU is not coalesced",
+    "\"Coalescing\"); a stage whose outputs stay on the GPU, or a sub-request whose inputs "
+    "are on the GPU, is not coalesced",
     choices=("off", "on"))
 COALESCE_IN_FLIGHT = Param(
     "coalesce_in_flight", "2",

@@ -129,7 +129,10 @@ class SubRequests:
             self._count_deadline(job, stage)
             raise DeadlineExceeded(stage, model, limit_ms, what)
         coalescer = self.coalescers.get(stage)
-        if coalescer is not None:
+        # Inputs kept on the GPU (gpu_tensors on) cannot be concatenated here: sent alone, and
+        # the stage model's own dynamic batcher batches them.
+        if coalescer is not None and not any(isinstance(value, DeviceTensor)
+                                             for value in inputs.values()):
             outcome, timed_out = await coalescer.submit(inputs, list(output_names), reduce, limit,
                                                         job.request_id)
         else:

@@ -166,3 +166,33 @@ def test_a_cancelled_member_leaves_before_the_next_stage_and_its_group_finishes(
     assert all(len(r.sender.sent) == 1 for r in (blocker, *group))
     later = [rows for model, rows in models.batches if model == "classifier"]
     assert sum(later) == 3, later  # blocker + the two that stayed
+
+
+def test_inputs_kept_on_the_gpu_are_sent_alone(made):
+    """With gpu_tensors on, PIXELS reaches the classifier as a DeviceTensor, which cannot be
+    concatenated: that sub-request bypasses the stage's coalescer; numpy inputs still use it."""
+    import asyncio
+
+    from bls_models.deadline import Deadline
+    from bls_models.responder import Job
+    from bls_models.subrequests import DeviceTensor, Outcome
+
+    pb, orch = coalescing(made, RowModels(delay=0.0))
+    subrequests, routes = orch.subrequests, []
+
+    async def send(stage, inputs, output_names, reduce, limit, request_id):
+        routes.append(("alone", stage))
+        return Outcome(outputs={"LOGITS": np.zeros((1, S.NUM_CLASSES), np.float32)}), False
+
+    async def submit(inputs, output_names, reduce, limit, request_id):
+        routes.append(("coalesced", "classifier"))
+        return Outcome(outputs={"LOGITS": np.zeros((1, S.NUM_CLASSES), np.float32)}), False
+
+    subrequests._send = send
+    subrequests.coalescers["classifier"].submit = submit
+    job = Job(image_of(1), ["CLASS_IDS"], Deadline.for_request(0, 5000), "gpu", sender=None)
+    for pixels in (DeviceTensor(object()), np.zeros((1, *S.PIXELS.dims), np.float32)):
+        asyncio.run_coroutine_threadsafe(
+            subrequests.call(job, "classifier", {"PIXELS": pixels}, ["LOGITS"]),
+            orch.loop).result(timeout=10)
+    assert routes == [("alone", "classifier"), ("coalesced", "classifier")]
