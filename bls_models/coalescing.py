@@ -29,7 +29,7 @@ import asyncio
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Awaitable, Callable
+from typing import AsyncContextManager, Awaitable, Callable
 
 import numpy as np
 
@@ -59,13 +59,17 @@ class GroupStats:
 class Coalescer:
     def __init__(self, max_rows: int, max_in_flight: int, send: Send, outcome: type,
                  on_group: Callable[[int], None] | None = None,
-                 isolate: Callable[[str], bool] = lambda error: True) -> None:
+                 isolate: Callable[[str], bool] = lambda error: True,
+                 exclusive: Callable[[float], AsyncContextManager[bool]] | None = None) -> None:
         self.max_rows, self.max_in_flight, self.send = max_rows, max(1, max_in_flight), send
         self.outcome = outcome  # the type ``send`` answers with: outputs, error, expired fields
         self.on_group = on_group or (lambda size: None)
         # Whether a failed sub-request's error may come from one bad item of its batch (then
         # its members are re-sent alone) rather than from the stage as a whole (queue full, ...).
         self.isolate = isolate
+        # exclusive(expires): the stage to this process across the orchestrator's instances
+        # (stagelock.StageLock.exclusive), yielding False if ``expires`` passed first.
+        self.exclusive_across = exclusive
         self.queues: dict[tuple, deque[Member]] = {}
         self.in_flight = 0
         # Isolation has the stage to itself: re-sends wait until nothing else of this stage is
@@ -184,7 +188,15 @@ class Coalescer:
                     await self.quiet.wait()
                 self.in_flight += 1
                 holding[0] = True
-                await self._isolate(members, output_names, reduce)
+                if self.exclusive_across is None:
+                    await self._isolate(members, output_names, reduce)
+                    return
+                async with self.exclusive_across(max(m.expires for m in members)) as held:
+                    if held:
+                        await self._isolate(members, output_names, reduce)
+                    else:  # the other instances' sub-requests outlasted every member's limit
+                        for member in members:
+                            _settle(member, (self.outcome(expired=True), False))
         finally:
             self.isolations -= 1
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import functools
 import threading
 import time
@@ -25,6 +26,7 @@ from bls_models.errors import (Cancelled, DeadlineExceeded, Kind, classify_sub_e
 from bls_models.params import OrchestratorConfig
 from bls_models.pipelines import Reduce
 from bls_models.responder import Job
+from bls_models.stagelock import StageLock
 
 
 def take_outputs(pb_utils, response, names, keep, views: dict, devices: dict) -> str | None:
@@ -83,6 +85,11 @@ class Outcome:
         return [t for t in (self.outputs or {}).values() if isinstance(t, DeviceTensor)]
 
 
+@contextlib.contextmanager
+def _held():
+    yield True
+
+
 def _one_bad_item(error: str) -> bool:
     """Whether a sub-request's error may come from one item of its batch: the sub-model rejected
     the data (e.g. ONNX Runtime's "onnx runtime error 2" for a bad index) or failed. Queue full,
@@ -96,7 +103,8 @@ class SubRequests:
 
     def __init__(self, pb_utils, lock: threading.RLock, loop: asyncio.AbstractEventLoop,
                  metrics, config: OrchestratorConfig, pass_through: dict[str, tuple[str, ...]],
-                 model: str, max_rows: dict[str, int] | None = None) -> None:
+                 model: str, max_rows: dict[str, int] | None = None,
+                 lock_key: str | None = None) -> None:
         self.pb, self.lock, self.loop, self.metrics = pb_utils, lock, loop, metrics
         self.config = config
         # Stage -> outputs kept on the GPU (only stages whose model is KIND_GPU, gpu_tensors on).
@@ -105,13 +113,19 @@ class SubRequests:
             config.subrequest_threads, thread_name_prefix=f"{model}-subrequest")
         # coalesce on: a Coalescer per stage whose outputs come back to the CPU (device tensors
         # cannot be split by rows), sized by the stage model's max_batch_size.
+        coalesced = [stage for stage in config.stages
+                     if config.coalesce and max_rows and max_rows.get(stage, 0) > 0
+                     and stage not in pass_through]
+        # Isolation across this orchestrator's instances (stagelock.py): every sub-request to a
+        # coalesced stage holds its lock shared, an isolation exclusive.
+        self.stage_locks: dict[str, StageLock] = {
+            stage: StageLock(lock_key or model, stage) for stage in coalesced}
         self.coalescers: dict[str, Coalescer] = {
             stage: Coalescer(max_rows[stage], config.coalesce_in_flight,
                              functools.partial(self._send, stage), Outcome,
-                             functools.partial(self._group_sent, stage), isolate=_one_bad_item)
-            for stage in config.stages
-            if config.coalesce and max_rows and max_rows.get(stage, 0) > 0
-            and stage not in pass_through}
+                             functools.partial(self._group_sent, stage), isolate=_one_bad_item,
+                             exclusive=self.stage_locks[stage].exclusive)
+            for stage in coalesced}
 
     async def call(self, job: Job, stage: str, inputs: dict[str, np.ndarray],
                    output_names, reduce: Reduce | None = None) -> dict[str, np.ndarray]:
@@ -175,7 +189,7 @@ class SubRequests:
         started = time.monotonic()
         keep = set(self.pass_through.get(stage, ())) if on_device else set()
         future = self.pool.submit(self._exec, handoff, started + limit, list(output_names),
-                                         reduce, keep)
+                                  reduce, keep, self.stage_locks.get(stage))
         waiter = asyncio.wrap_future(future, loop=self.loop)
         try:
             done, _ = await asyncio.wait({waiter}, timeout=limit)
@@ -205,10 +219,13 @@ class SubRequests:
                     device.release()
 
     def _exec(self, handoff: list, expires: float, output_names: list[str],
-              reduce: Reduce | None, keep: set[str] = frozenset()) -> Outcome:
+              reduce: Reduce | None, keep: set[str] = frozenset(),
+              stage_lock: StageLock | None = None) -> Outcome:
         """On a sub-request thread: send, wait, then turn the outputs into plain numpy arrays
         (copies, or whatever ``reduce`` computes from them in place). Outputs named in ``keep``
-        that arrive in GPU memory stay there, as ``DeviceTensor``s."""
+        that arrive in GPU memory stay there, as ``DeviceTensor``s. With ``stage_lock``, the
+        sub-request is out only while holding it shared (not sent at all if another instance's
+        isolation outlasts its deadline)."""
         pb = self.pb
         request = handoff.pop()
         response = None
@@ -217,11 +234,14 @@ class SubRequests:
         try:
             if time.monotonic() >= expires:
                 return Outcome(expired=True)
-            self._gauge("bls_inflight_subrequests", +1)
-            try:
-                response = request.exec()  # blocks (GIL released) until the sub-model answers
-            finally:
-                self._gauge("bls_inflight_subrequests", -1)
+            with (stage_lock.shared(expires) if stage_lock else _held()) as held:
+                if not held:
+                    return Outcome(expired=True)
+                self._gauge("bls_inflight_subrequests", +1)
+                try:
+                    response = request.exec()  # blocks (GIL released) until the answer
+                finally:
+                    self._gauge("bls_inflight_subrequests", -1)
             with self.lock:
                 if response.has_error():
                     return Outcome(error=response.error().message())

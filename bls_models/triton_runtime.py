@@ -110,7 +110,9 @@ class Orchestrator:
                                    self.config.max_inflight_requests, self.log)
         self.subrequests = SubRequests(
             pb_utils, self.lock, self.loop, self.metrics, self.config, self.pass_through,
-            self.model, max_rows=repository.stage_max_batch(repositories, self.config.stages))
+            self.model, max_rows=repository.stage_max_batch(repositories, self.config.stages),
+            # Every instance of this model shares it (their stub processes serve one directory).
+            lock_key=str(Path(args["model_repository"]).resolve()))
         self.log(f"orchestrating '{self.definition.name}': " + ", ".join(
             f"{s.name} -> {s.model} (as {self.contracts[s.name].name})"
             + (f" (timeout {s.timeout_ms} ms)" if s.timeout_ms else "")

@@ -237,3 +237,38 @@ def test_isolation_has_the_stage_to_itself_so_the_sub_models_batcher_cannot_mix_
     for value, (outcome, _) in zip([2, 3, 4], group):
         assert outcome.error is None and (outcome.outputs["Y"] == value * 2).all()
     assert stage.batches[0] == 4  # the first batch mixed both sub-requests
+
+
+def test_isolation_holds_the_cross_instance_lock_and_gives_up_when_it_outlasts_the_members():
+    """``exclusive``: the stage across the orchestrator's instances (stagelock.StageLock). The
+    re-sends happen inside it; when another instance keeps it past every member's limit, the
+    members get the deadline outcome and nothing is re-sent."""
+    import contextlib
+
+    for grant in (True, False):
+        stage, inside, asked = FakeStage(delay=0.02), [], []
+
+        @contextlib.asynccontextmanager
+        async def exclusive(expires):
+            asked.append(expires)
+            inside.append(grant)
+            yield grant
+            inside.append("released")
+
+        async def scenario():
+            coalescer = Coalescer(16, 1, stage.send, Outcome, exclusive=exclusive)
+            results, _ = await behind_a_blocker(
+                coalescer, lambda: burst(coalescer, [1, FakeStage.POISON, 3], limit=2.0))
+            return results
+
+        started = time.monotonic()
+        results = asyncio.run(scenario())
+        # Asked once, with the latest limit of the failed group's members.
+        assert len(asked) == 1 and started + 1.5 < asked[0] < started + 2.5 + 0.25
+        assert inside == [grant, "released"]
+        if grant:
+            assert [rows for rows, _ in stage.batches] == [1, 3, 1, 1, 1]
+            assert [r.error is not None for r, _ in results] == [False, True, False]
+        else:
+            assert [rows for rows, _ in stage.batches] == [1, 3]
+            assert all(r.expired for r, _ in results)
