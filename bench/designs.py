@@ -6,7 +6,8 @@ Every design is the same `pipeline` code (bls_models) under a different configur
 
 | design             | how requests of one instance overlap                                 |
 |--------------------|----------------------------------------------------------------------|
-| event_loop x2      | production: execute() returns at once, model-owned loop, senders      |
+| event_loop x2, coalescing | production: execute() returns at once, model-owned loop, senders; sub-requests of concurrent requests go together |
+| event_loop x2      | the same, coalescing off                                             |
 | event_loop x1      | the same with one instance                                           |
 | batch_gather x1    | execute() waits for its batch (= non-decoupled async execute+gather) |
 | batch_gather x4    | the same with four instances ("add instances")                       |
@@ -48,9 +49,10 @@ class Design:
 
 
 DESIGNS = (
-    Design("event_loop x2 (production)", "design_event_loop_2", 2, "event_loop"),
+    Design("event_loop x2, coalescing (production)", "design_coalesced_2", 2, "event_loop",
+           coalesce=True),
+    Design("event_loop x2, coalescing off", "design_event_loop_2", 2, "event_loop"),
     Design("event_loop x1", "design_event_loop_1", 1, "event_loop"),
-    Design("event_loop x2, coalescing", "design_coalesced_2", 2, "event_loop", coalesce=True),
     Design("batch_gather x1", "design_batch_gather_1", 1, "batch_gather"),
     Design("batch_gather x4", "design_batch_gather_4", 4, "batch_gather"),
     Design("decoupled x1 (stream only)", "design_decoupled_1", 1, "event_loop", decoupled=True),

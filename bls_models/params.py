@@ -72,14 +72,14 @@ GPU_TENSORS = Param(
     "pipelines with such outputs", choices=("off", "on"), listed=False)
 
 COALESCE = Param(
-    "coalesce", "off",
+    "coalesce", "on",
     "`on`: requests that reach a stage while its sub-requests are out go to it together, as one "
     "sub-request of up to the stage model's `max_batch_size` rows (docs/orchestrator.md, "
     "\"Coalescing\"); a stage whose outputs stay on the GPU, or a sub-request whose inputs "
     "are on the GPU, is not coalesced",
     choices=("off", "on"))
 COALESCE_IN_FLIGHT = Param(
-    "coalesce_in_flight", "2",
+    "coalesce_in_flight", "1",
     "with `coalesce` on: sub-requests per stage out at once, per instance, before arrivals wait "
     "to go together", minimum=1)
 

@@ -97,9 +97,10 @@ def variant_named(name: str) -> S.ModelSpec:
     return next(model for model in VARIANTS if model.name == name)
 
 
-def coalesced_variants(real_repository: Path) -> tuple[S.ModelSpec, ...]:
-    """The orchestrators with coalescing on, over the real sub-models (tests and benchmarks)."""
-    return tuple(variant(base, f"{base.name}_coalesced", coalesce="on",
+def uncoalesced_variants(real_repository: Path) -> tuple[S.ModelSpec, ...]:
+    """The orchestrators with coalescing off, over the real sub-models: the A/B baseline of the
+    benchmarks (the committed configs coalesce)."""
+    return tuple(variant(base, f"{base.name}_uncoalesced", coalesce="off",
                          stage_model_repositories=str(real_repository))
                  for base in (S.PIPELINE, S.TAG_PIPELINE))
 
@@ -117,16 +118,19 @@ def real_model_variants(real_repository: Path) -> tuple[S.ModelSpec, ...]:
         # so this exercises the fallback (tests/live/test_pipelines.py).
         variant(S.PIPELINE, "pipeline_gpu_tensors", gpu_tensors="on",
                 stage_model_repositories=str(real_repository)),
-        # The classifier stage on the poisonable model (tests/live/test_backend_errors.py).
+        # The classifier stage on the poisonable model, coalescing (as committed) and not
+        # (tests/live/test_backend_errors.py).
         variant(S.PIPELINE, "pipeline_poison", classifier_model=FAULT_BATCH.name,
                 stage_model_repositories=str(real_repository)),
-        *coalesced_variants(real_repository),
-        # Coalescing on the poisonable model (tests/live/test_coalescing.py), one instance:
-        # two instances isolate their groups independently, and the sub-model's batcher may
-        # put one instance's re-sent innocent request with the other's re-sent culprit.
+        variant(S.PIPELINE, "pipeline_poison_uncoalesced", classifier_model=FAULT_BATCH.name,
+                coalesce="off", stage_model_repositories=str(real_repository)),
+        *uncoalesced_variants(real_repository),
+        # The same on one instance (tests/live/test_coalescing.py): two instances isolate their
+        # groups independently, and the sub-model's batcher may put one instance's re-sent
+        # innocent request with the other's re-sent culprit (docs/orchestrator.md, "Coalescing").
         dataclasses.replace(
-            variant(S.PIPELINE, "pipeline_poison_coalesced", classifier_model=FAULT_BATCH.name,
-                    coalesce="on", stage_model_repositories=str(real_repository)),
+            variant(S.PIPELINE, "pipeline_poison_one_instance", classifier_model=FAULT_BATCH.name,
+                    stage_model_repositories=str(real_repository)),
             instance_count=1),
     )
 

@@ -20,7 +20,7 @@ from modelgen import export, poison
 from tests.live.support import (SLACK, STATUS, assert_served, batch_spread, eventually, image,
                                 metric, request_inputs, settled)
 
-COALESCED = "pipeline_coalesced"
+COALESCED = "pipeline"  # the committed config coalesces
 DISTINCT = 50  # distinct images, cycled over the burst: neighbours in a group always differ
 
 
@@ -132,11 +132,11 @@ def _together(server, protocol: str, model: str, datas, timeouts=None) -> list[o
 
 @pytest.mark.parametrize("protocol", ["http", "grpc"])
 def test_a_poisoned_request_in_a_group_fails_alone_and_the_others_are_exact(server, protocol):
-    """``pipeline_poison_coalesced``: the classifier stage is the model that fails its whole
+    """``pipeline_poison_one_instance``: the classifier stage is the model that fails its whole
     ONNX Runtime batch on one poisoned item (its batcher waits 200 ms for 4)."""
     images = [image(seed) for seed in (31, 32, 33, 34)]
     images[2] = poison.poison_image(images[2])
-    outcomes = _together(server, protocol, "pipeline_poison_coalesced", images)
+    outcomes = _together(server, protocol, "pipeline_poison_one_instance", images)
     bad = outcomes[2]
     assert isinstance(bad, InferenceServerException), bad
     assert bad.status() == STATUS[protocol]["INVALID_ARG"] and "out of data bounds" in bad.message()

@@ -45,9 +45,12 @@ def sub_models(fail: set[str] = frozenset()) -> dict:
 
 
 def orchestrator(pb: FakePbUtils, **parameters: str) -> Orchestrator:
+    """The committed pipeline's config with ``parameters`` over it; coalescing off unless asked
+    for (test_runtime_coalescing.py): these tests count sub-requests per request."""
     spec = S.PIPELINE
     config = configs.config_dict(spec)
-    config["parameters"].update({k: {"string_value": v} for k, v in parameters.items()})
+    config["parameters"].update({k: {"string_value": v}
+                                 for k, v in {"coalesce": "off", **parameters}.items()})
     return Orchestrator(pb, {"model_name": spec.name, "model_config": json.dumps(config),
                              "model_repository": str(REPOSITORY / spec.name)}, "pipeline")
 
