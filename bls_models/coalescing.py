@@ -19,6 +19,10 @@ Every member keeps its own semantics:
   This covers the sub-model's own dynamic batcher too, which may have put a lone member with
   another request's bad item: a failed group of one is re-sent once.
 
+* **No head-of-line blocking.** A sub-request out for longer than ``STRAGGLER_FACTOR`` times the
+  stage's median duration (of its last ``DURATIONS`` sub-requests) gives its slot back: a
+  request stuck in a slow sub-model does not hold up the members queued behind it.
+
 Pure asyncio and numpy: ``send`` (the runtime's single sub-request) is passed in, so the logic is
 unit-tested without Triton (tests/unit/test_coalescing.py). Runs on the runtime's event loop.
 """
@@ -32,6 +36,13 @@ from dataclasses import dataclass, field
 from typing import AsyncContextManager, Awaitable, Callable
 
 import numpy as np
+
+# A sub-request out this many times the stage's median duration is a straggler: its slot goes
+# to the next group. Before any duration is known, FIRST_STRAGGLER_SECONDS.
+STRAGGLER_FACTOR = 3.0
+STRAGGLER_MIN_SECONDS = 0.005
+FIRST_STRAGGLER_SECONDS = 0.1
+DURATIONS = 32
 
 # send(inputs, output_names, reduce, limit_seconds, request_id) -> (outcome, timed_out): the
 # runtime's one sub-request; ``outcome`` has .outputs, .error, .expired (subrequests.Outcome).
@@ -71,7 +82,9 @@ class Coalescer:
         # (stagelock.StageLock.exclusive), yielding False if ``expires`` passed first.
         self.exclusive_across = exclusive
         self.queues: dict[tuple, deque[Member]] = {}
-        self.in_flight = 0
+        self.in_flight = 0  # sub-requests holding a slot
+        self.out = 0        # sub-requests out, stragglers that gave their slot back included
+        self.durations: deque[float] = deque(maxlen=DURATIONS)
         # Isolation has the stage to itself: re-sends wait until nothing else of this stage is
         # out, and nothing new goes out until they are done (see _isolate_alone).
         self.exclusive = asyncio.Lock()
@@ -144,8 +157,19 @@ class Coalescer:
                 inputs = {name: np.concatenate([m.inputs[name] for m in members])
                           for name in members[0].inputs}
                 request_ids = ",".join(m.request_id for m in members if m.request_id)
-            limit = max(m.expires for m in members) - time.monotonic()
-            outcome, timed_out = await self.send(inputs, output_names, reduce, limit, request_ids)
+            started = time.monotonic()
+            limit = max(m.expires for m in members) - started
+            straggler = asyncio.get_running_loop().call_later(
+                self._straggler_after(), self._give_back, holding)
+            self.out += 1
+            try:
+                outcome, timed_out = await self.send(inputs, output_names, reduce, limit,
+                                                     request_ids)
+            finally:
+                self.out -= 1
+                straggler.cancel()
+            if not timed_out:
+                self.durations.append(time.monotonic() - started)
             if timed_out or outcome.expired:
                 for member in members:  # each past its own limit by now (the group's is the max)
                     _settle(member, (outcome, timed_out))
@@ -171,6 +195,19 @@ class Coalescer:
             self.quiet.set()
             self._pump()
 
+    def _straggler_after(self) -> float:
+        if not self.durations:
+            return FIRST_STRAGGLER_SECONDS
+        ordered = sorted(self.durations)
+        return max(STRAGGLER_MIN_SECONDS, STRAGGLER_FACTOR * ordered[len(ordered) // 2])
+
+    def _give_back(self, holding: list[bool]) -> None:
+        """A straggler's timer: its slot goes to the next group (it stays counted in ``out``)."""
+        if holding[0]:
+            holding[0] = False
+            self.in_flight -= 1
+            self._pump()
+
     async def _isolate_alone(self, members: list[Member], output_names, reduce,
                              holding: list[bool]) -> None:
         """``_isolate`` with the stage to itself. A re-sent member must not meet another
@@ -178,12 +215,13 @@ class Coalescer:
         group sent meanwhile), so: stop sending new groups, give back this task's slot, take
         the stage's isolation lock, wait until nothing of this stage is out, then re-send."""
         self.isolations += 1
-        self.in_flight -= 1
-        holding[0] = False
+        if holding[0]:  # (a straggler gave it back already)
+            self.in_flight -= 1
+            holding[0] = False
         self.quiet.set()
         try:
             async with self.exclusive:
-                while self.in_flight > 0:
+                while self.in_flight > 0 or self.out > 0:
                     self.quiet.clear()
                     await self.quiet.wait()
                 self.in_flight += 1
