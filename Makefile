@@ -31,7 +31,7 @@ STAMP  := $(VENV)/.installed
 
 .DEFAULT_GOAL := help
 .PHONY: help venv backend models configs serve test test-unit bench soak clean docker-build docker-run test-container
-BENCH_EXPERIMENTS := ort_options orchestration fanout designs large_output clients tuning overload
+BENCH_EXPERIMENTS := ort_options orchestration coalescing fanout designs large_output clients tuning overload
 
 help: ## Show this help
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-15s %s\n", $$1, $$2}'

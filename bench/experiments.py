@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -96,6 +97,7 @@ def variant_specs(repository: Path) -> list[tuple[S.ModelSpec, str]]:
     return ([(sequential, "pipeline"), (budget, "pipeline"), (logits, "tag_pipeline"),
              (shedding, "pipeline")]
             + [(t, "tagger") for t in taggers]
+            + [(spec, "pipeline") for spec in coalescing_specs(repository).values()]
             + [(d, "pipeline") for d in designs.design_specs(repository)])
 
 
@@ -219,6 +221,109 @@ def orchestration(ctx: Context) -> Result:
 
 
 GROUP_STAGES = ("preprocess", "classifier", "embedder")
+
+
+# -- coalescing settings: instances x sub-requests in flight per stage -----------------------------
+COALESCING_GRID = ((2, 1), (2, 2), (1, 1), (1, 2))  # (instances, coalesce_in_flight)
+COALESCING_LEVELS = (16, 32)
+BURSTS, BURST_SIZE = 12, 50
+
+
+def coalescing_specs(repository: Path) -> dict[tuple[int, int], S.ModelSpec]:
+    return {(instances, in_flight): dataclasses.replace(
+        S.PIPELINE, name=f"pipeline_coalesce_i{instances}_f{in_flight}", instance_count=instances,
+        parameters={**S.PIPELINE.parameters, "coalesce": "on",
+                    "coalesce_in_flight": str(in_flight),
+                    "stage_model_repositories": str(repository)})
+        for instances, in_flight in COALESCING_GRID}
+
+
+def bursts(ctx: Context, model: str, count: int, size: int) -> list[tuple[float, float]]:
+    """``count`` bursts of ``size`` concurrent gRPC requests, one after the other: per burst, the
+    slowest answer (ms) and the mean time its requests spent in Triton's queue of ``model``
+    (ms; from its statistics)."""
+    import concurrent.futures
+
+    import tritonclient.grpc as grpcclient
+
+    image = nets.synthetic_images(1, seed=9).numpy()
+    clients_ = [grpcclient.InferenceServerClient(ctx.server.grpc_url) for _ in range(size)]
+
+    def one(client) -> float:
+        tensor = grpcclient.InferInput("IMAGE", list(image.shape), "UINT8")
+        tensor.set_data_from_numpy(image)
+        started = time.monotonic()
+        client.infer(model, [tensor])
+        return time.monotonic() - started
+
+    out = []
+    try:
+        with concurrent.futures.ThreadPoolExecutor(size) as pool:
+            for _ in range(count):
+                before = profile.model_stats(ctx.server)[model]
+                slowest = max(pool.map(one, clients_))
+                after = profile.model_stats(ctx.server)[model]
+                served = max(1, after["count"] - before["count"])
+                out.append((1000 * slowest, (after["queue"] - before["queue"]) / 1e6 / served))
+    finally:
+        for client in clients_:
+            client.close()
+    return out
+
+
+def coalescing(ctx: Context) -> Result:
+    """Which coalescing settings: the orchestrator's instances x ``coalesce_in_flight``, with
+    coalescing off as the baseline. Throughput, CPU and group sizes under perf_analyzer load;
+    then bursts of 50, where a single instance's dynamic batcher queue can stall."""
+    result = Result("coalescing", "Coalescing settings: instances x sub-requests in flight")
+    seconds, warmup = (2.0, 1.0) if ctx.quick else (10.0, 3.0)
+    levels = (4,) if ctx.quick else COALESCING_LEVELS
+    count = 2 if ctx.quick else BURSTS
+    ways = {"coalescing off, 2 instances": ("pipeline_uncoalesced", 2, 0)}
+    ways.update({f"{i} instance{'s' if i > 1 else ''}, {f} in flight": (spec.name, i, f)
+                 for (i, f), spec in coalescing_specs(ctx.repository).items()})
+    lines = ["| setting | " + " | ".join(f"req/s at {c} (stub ms/req; server ms/req; group "
+                                           f"classifier)" for c in levels)
+             + f" | {count} bursts of {BURST_SIZE}: slowest answer, max (ms) | worst burst: mean "
+             "queue time in Triton (ms) |", "|---|" + "---|" * (len(levels) + 2)]
+    for label, (model, instances, in_flight) in ways.items():
+        cells = []
+        for level in levels:
+            before = group_sizes(ctx.server.metrics_url, model)
+            load = profile.drive(ctx.server, model, level, seconds, warmup=warmup)
+            after = group_sizes(ctx.server.metrics_url, model)
+            cpu = load.cpu_ms_per_request()
+            stub = cpu.get(f"{model} stubs", 0.0)
+            server = cpu.get("tritonserver", 0.0)
+            rate = load.requests / load.seconds if load.seconds else 0.0
+            groups = {}
+            for stage in GROUP_STAGES:
+                done = (after.get(stage, {}).get("count", 0.0)
+                        - before.get(stage, {}).get("count", 0.0))
+                summed = after.get(stage, {}).get("sum", 0.0) - before.get(stage, {}).get("sum", 0.0)
+                groups[stage] = summed / done if done else None
+            result.rows.append({"experiment": result.name, "variant": label, "concurrency": level,
+                                "throughput": round(rate, 2), "stub_cpu_ms": round(stub, 3),
+                                "server_cpu_ms": round(server, 3), "instances": instances,
+                                "coalesce_in_flight": in_flight,
+                                **{f"group_{s}": round(g, 2) if g else None
+                                   for s, g in groups.items()}})
+            group = groups["classifier"]
+            cells.append(f"{rate:.0f} ({stub:.2f}; {server:.2f}; "
+                         f"{f'{group:.1f}' if group else '–'})")
+        measured = bursts(ctx, model, count, BURST_SIZE)
+        result.rows.append({"experiment": result.name, "variant": label, "scenario": "bursts",
+                            "slowest_ms": [round(s, 1) for s, _ in measured],
+                            "queue_ms": [round(q, 2) for _, q in measured]})
+        lines.append(f"| {label} | " + " | ".join(cells)
+                     + f" | {max(s for s, _ in measured):.0f} | "
+                     f"{max(q for _, q in measured):.1f} |")
+    result.summary += [
+        f"Each setting driven by perf_analyzer (gRPC, `--input-data zero`) for {seconds:.0f} s "
+        f"after {warmup:.0f} s of warm-up; CPU from /proc per completed request; group: mean "
+        "requests per classifier sub-request. Then bursts of "
+        f"{BURST_SIZE} concurrent requests, {count} one after the other.", "", *lines]
+    return result
 
 
 def group_sizes(metrics_url: str, model: str) -> dict[str, dict[str, float]]:
@@ -912,6 +1017,7 @@ def ort_options(ctx: Context) -> Result:
 
 EXPERIMENTS = {
     "orchestration": orchestration,
+    "coalescing": coalescing,
     "fanout": fanout,
     "designs": concurrency_designs,
     "large_output": large_output,
