@@ -311,8 +311,11 @@ def coalescing(ctx: Context) -> Result:
             group = groups["classifier"]
             cells.append(f"{rate:.0f} ({stub:.2f}; {server:.2f}; "
                          f"{f'{group:.1f}' if group else '–'})")
+        started = time.monotonic()
         measured = bursts(ctx, model, count, BURST_SIZE)
+        rate = count * BURST_SIZE / (time.monotonic() - started)
         result.rows.append({"experiment": result.name, "variant": label, "scenario": "bursts",
+                            "throughput": round(rate, 2),
                             "slowest_ms": [round(s, 1) for s, _ in measured],
                             "queue_ms": [round(q, 2) for _, q in measured]})
         lines.append(f"| {label} | " + " | ".join(cells)
@@ -323,6 +326,9 @@ def coalescing(ctx: Context) -> Result:
         f"after {warmup:.0f} s of warm-up; CPU from /proc per completed request; group: mean "
         "requests per classifier sub-request. Then bursts of "
         f"{BURST_SIZE} concurrent requests, {count} one after the other.", "", *lines]
+    result.plot = {"kind": "bar", "title": "Coalescing settings: throughput",
+                   "value": "throughput", "xlabel": "throughput (req/s)",
+                   "label": ["variant", "concurrency"], "filter": {"scenario": None}}
     return result
 
 

@@ -108,14 +108,18 @@ def plot(result, path: Path) -> None:
     if result.plot["kind"] == "curve":
         _curves(ax, rows)
     else:
-        # A variant measured in several rounds is one bar: the median of its p50s.
+        # A variant measured in several rounds is one bar: the median of its values (p50 unless
+        # the plot names another column, and the bars' labels).
+        value = result.plot.get("value", "p50_ms")
+        keys = result.plot.get("label", ["variant"])
         by_label: dict[str, list[float]] = {}
         for r in rows:
-            by_label.setdefault(r["variant"].replace("`", ""), []).append(float(r["p50_ms"]))
+            label = ", ".join(str(r[k]) for k in keys).replace("`", "")
+            by_label.setdefault(label, []).append(float(r[value]))
         labels = [label + (f" (median of {len(v)})" if len(v) > 1 else "")
                   for label, v in by_label.items()]
         ax.barh(labels, [sorted(v)[len(v) // 2] for v in by_label.values()])
-        ax.set_xlabel("p50 latency (ms)")
+        ax.set_xlabel(result.plot.get("xlabel", "p50 latency (ms)"))
         ax.invert_yaxis()
         fig.subplots_adjust(left=0.45)
     ax.set_title(result.plot["title"])
