@@ -186,6 +186,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--input-data", default="zero")
     parser.add_argument("--rate", type=int, default=100, help="py-spy samples per second")
     parser.add_argument("--native", action="store_true", help="py-spy --native (C/C++ frames)")
+    parser.add_argument("--gil", action="store_true",
+                        help="py-spy --gil: only samples of the thread holding the GIL (the "
+                             "stub's own Python CPU; waits on locks and IPC are left out)")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     parser.add_argument("--model-repository", type=Path, default=ROOT / "model_repository")
     args = parser.parse_args(argv)
@@ -206,6 +209,7 @@ def main(argv: list[str] | None = None) -> int:
                         raw = args.out / f"profile-{args.model}-{stub}-{pid}.txt"
                         # --native needs the stub stopped while it reads native stacks.
                         mode = ["--native"] if args.native else ["--nonblocking"]
+                        mode += ["--gil"] if args.gil else []
                         samplers[(stub, pid)] = (raw, subprocess.Popen(
                             [str(PY_SPY), "record", "--pid", str(pid), "--duration",
                              str(args.seconds), "--rate", str(args.rate), "--format", "raw",

@@ -34,6 +34,10 @@ class Job:
     # Per-request events already counted: concurrent branches both see a cancellation or a
     # passed deadline, and each counter counts once per request and event.
     counted: set[str] = field(default_factory=set)
+    # Whether the client cancelled, as last asked (None: ask; subrequests.SubRequests.cancelled).
+    # False at first for a request execute took at once: the scheduler had just checked it.
+    cancelled: bool | None = None
+    cancel_answer_expires: bool = False  # a reset at the end of this loop turn is scheduled
 
     def first(self, event: str) -> bool:
         """Whether ``event`` happens to this request for the first time (under the lock)."""
@@ -53,9 +57,12 @@ class Responder:
         self.slots = threading.BoundedSemaphore(max_inflight)
         self.pending = 0  # admitted and not yet answered (under the lock)
 
-    def admit(self) -> None:
-        """Wait for a slot (on execute's thread, outside the lock)."""
+    def admit(self) -> bool:
+        """Wait for a slot (on execute's thread, outside the lock); whether it had to wait."""
+        if self.slots.acquire(blocking=False):
+            return False
         self.slots.acquire()
+        return True
 
     def started(self) -> None:
         """An admitted request became a job: it is pending until ``send`` (under the lock)."""

@@ -85,6 +85,10 @@ class Outcome:
         return [t for t in (self.outputs or {}).values() if isinstance(t, DeviceTensor)]
 
 
+def _forget_cancel_answer(job: Job) -> None:
+    job.cancelled, job.cancel_answer_expires = None, False
+
+
 @contextlib.contextmanager
 def _held():
     yield True
@@ -132,11 +136,10 @@ class SubRequests:
         """The ``call`` a pipeline gets: one sub-request of ``job`` to ``stage`` (alone, or
         with others' when coalescing), raising the client's error when it fails."""
         model = self.config.stage(stage).model
-        with self.lock:
-            cancelled = job.sender is not None and job.sender.is_cancelled()
-            if cancelled and job.first("cancelled"):
-                self.metrics.increment("bls_cancelled_requests_total", stage=stage)
-        if cancelled:
+        if self.cancelled(job):
+            with self.lock:
+                if job.first("cancelled"):
+                    self.metrics.increment("bls_cancelled_requests_total", stage=stage)
             raise Cancelled(stage)
         limit, what, limit_ms = job.deadline.stage_limit(self.config.stage(stage).timeout_ms)
         if limit <= 0:
@@ -161,6 +164,21 @@ class SubRequests:
             self._count("bls_subrequest_errors_total", stage, kind=failure.kind.value)
             raise failure
         return outcome.outputs
+
+    def cancelled(self, job: Job) -> bool:
+        """Whether the client cancelled ``job``, asked before each stage (on the event loop).
+
+        Asking is an IPC round trip to the server (r24.10 ``PbCancel::IsCancelled``), so an
+        answer holds until the end of this event-loop turn: branches that start together (the
+        classifier and the embedder) ask once. Before the first stage, the answer Triton's
+        scheduler gave as it handed the request to ``execute`` holds (``Job.cancelled``)."""
+        if job.cancelled is None:
+            with self.lock:
+                job.cancelled = job.sender is not None and job.sender.is_cancelled()
+        if not job.cancelled and not job.cancel_answer_expires:
+            job.cancel_answer_expires = True
+            self.loop.call_soon(_forget_cancel_answer, job)
+        return job.cancelled
 
     async def _send(self, stage: str, inputs: dict, output_names: list[str],
                     reduce: Reduce | None, limit: float, request_id: str

@@ -64,7 +64,7 @@ from bls_models import spec as S
 from bls_models.deadline import Deadline
 from bls_models.definition import PipelineDef, Setup, registered
 from bls_models.errors import Code, PipelineError
-from bls_models.metrics import FLUSH_SECONDS, Metrics
+from bls_models.metrics import FLUSH_SECONDS, HISTOGRAM_FLUSH_SECONDS, Metrics
 from bls_models.responder import Job, Responder
 from bls_models.subrequests import SubRequests
 
@@ -141,11 +141,15 @@ class Orchestrator:
     def execute(self, requests) -> None:
         started = []
         for request in requests:
-            self.responder.admit()  # backpressure: wait here, outside the lock
+            waited = self.responder.admit()  # backpressure: wait here, outside the lock
             with self.lock:
                 sender = request.get_response_sender()
                 try:
                     job = self._job(request, sender)
+                    # Triton's dynamic batcher drops cancelled requests as it hands a batch to
+                    # execute (core r24.10 dynamic_batch_scheduler.cc): unless this one waited
+                    # for a slot, its first stage need not ask again (subrequests.cancelled).
+                    job.cancelled = None if waited else False
                     self.responder.started()
                 except Exception as error:  # noqa: BLE001 - this request fails alone
                     job = None
@@ -205,11 +209,15 @@ class Orchestrator:
                               self.setup)
 
     # -- metrics and logging ------------------------------------------------------------------------
-    def _flush_metrics(self) -> None:
-        """Publish pending counter/gauge increments, then again in FLUSH_SECONDS."""
+    def _flush_metrics(self, histograms_due: float = 0.0) -> None:
+        """Publish pending counter/gauge increments (and, every HISTOGRAM_FLUSH_SECONDS, the
+        histograms' observations), then again in FLUSH_SECONDS."""
+        now = self.loop.time()
+        histograms = now >= histograms_due
         with self.lock:
-            self.metrics.flush()
-        self.loop.call_later(FLUSH_SECONDS, self._flush_metrics)
+            self.metrics.flush(histograms=histograms)
+        self.loop.call_later(FLUSH_SECONDS, self._flush_metrics,
+                             now + HISTOGRAM_FLUSH_SECONDS if histograms else histograms_due)
 
     def log(self, message: str, error: bool = False) -> None:
         logger = self.pb.Logger

@@ -19,7 +19,7 @@ import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
 from bls_models import spec as S
-from bls_models.metrics import FLUSH_SECONDS
+from bls_models.metrics import FAMILIES, FLUSH_SECONDS, HISTOGRAM_FLUSH_SECONDS
 from modelgen import configs, export, nets, variants
 from tritonlocal import ServerOptions, on_free_ports, procs
 from tritonlocal.runtime import free_ports
@@ -120,8 +120,9 @@ def metrics_text(server) -> str:
 
 def metric(server, name: str, **labels: str) -> float:
     """Sum of the samples of ``name`` whose labels include ``labels``, as scraped now (0 when
-    absent). The orchestrators publish counters and gauges every ``FLUSH_SECONDS``: to read a
-    value that includes what just happened, use ``eventually`` or ``settled``."""
+    absent). The orchestrators publish counters and gauges every ``FLUSH_SECONDS``, histograms
+    every ``HISTOGRAM_FLUSH_SECONDS``: to read a value that includes what just happened, use
+    ``eventually`` or ``settled``."""
     total = 0.0
     for line in metrics_text(server).splitlines():
         match = re.match(rf"^{re.escape(name)}\{{(.*)\}} (\S+)$", line)
@@ -170,12 +171,20 @@ def eventually(server, name: str, expected, timeout: float = METRIC_TIMEOUT,
         time.sleep(0.05)
 
 
+def flush_period(name: str) -> float:
+    """How often the orchestrators publish the series ``name``: histograms' (``<family>_bucket``,
+    ``_sum``, ``_count``) less often than counters and gauges."""
+    family = re.sub(r"_(bucket|sum|count)$", "", name)
+    histogram = FAMILIES.get(family, ("",))[0] == "HISTOGRAM"
+    return HISTOGRAM_FLUSH_SECONDS if histogram else FLUSH_SECONDS
+
+
 def settled(server, name: str, timeout: float = METRIC_TIMEOUT, **labels: str) -> float:
     """``metric`` once it has stopped changing for two flush periods: a baseline that includes
     whatever earlier tests made the orchestrators count."""
     give_up = time.monotonic() + timeout
     value, since = metric(server, name, **labels), time.monotonic()
-    while time.monotonic() - since < 2 * FLUSH_SECONDS + 0.05 and time.monotonic() < give_up:
+    while time.monotonic() - since < 2 * flush_period(name) + 0.05 and time.monotonic() < give_up:
         time.sleep(0.05)
         latest = metric(server, name, **labels)
         if latest != value:

@@ -72,7 +72,10 @@ class Sender:
         self.sent.append(response)
         self.done.set()
 
+    asked: int = 0  # is_cancelled() calls: each is an IPC round trip in the real stub
+
     def is_cancelled(self) -> bool:
+        self.asked += 1
         return self.cancelled.is_set()
 
 
@@ -107,10 +110,6 @@ class _Metric:
 
     def increment(self, value) -> None:
         self.registry[self.key] = self.registry.get(self.key, 0.0) + value
-
-    def observe(self, value) -> None:
-        count = self.key + (("observation", "count"),)
-        self.registry[count] = self.registry.get(count, 0.0) + 1
 
 
 class FakePbUtils:

@@ -1,7 +1,10 @@
 """Metrics batching (pure logic, with a recording stand-in for pb_utils' metric classes)."""
 
 from bls_models.errors import Code, Kind
-from bls_models.metrics import FAMILIES, REQUEST_CODES, Metrics, known_series
+import math
+
+from bls_models.metrics import (FAMILIES, LATENCY_BUCKETS, REQUEST_CODES, Metrics, exposed,
+                                known_series)
 
 
 class _Recorded:
@@ -67,14 +70,61 @@ def test_a_gauge_that_went_up_and_down_costs_no_call():
     assert metrics.flush() == 0
 
 
-def test_histograms_are_sent_at_once_and_close_flushes():
+def _published(pb) -> dict:
+    """What the increments so far add up to: (name, labels) -> value."""
+    totals = {}
+    for _, key, value in pb.log:
+        totals[key] = totals.get(key, 0) + value
+    return totals
+
+
+def test_histograms_wait_for_their_flush_and_publish_prometheus_series():
+    pb = _PbUtils()
+    metrics = Metrics(pb, "pipeline", stages=["classifier"])
+    for seconds in (0.0004, 0.012, 0.012, 0.3, 99.0):  # 99 s: above the last bound
+        metrics.observe("bls_request_latency_seconds", seconds)
+    metrics.observe("bls_stage_latency_seconds", 0.001, stage="classifier")  # on a bound: le
+    assert pb.log == [] and metrics.flush() == 0, "observations go out with the histograms only"
+    calls = metrics.flush(histograms=True)
+    assert all(kind == "increment" for kind, _, _ in pb.log), "no per-value observe call"
+    model = ("model", "pipeline")
+
+    def bucket(bound, *labels, family="bls_request_latency_seconds"):
+        return (f"{family}_bucket", tuple(sorted([model, ("le", bound), *labels])))
+
+    totals = _published(pb)
+    # Cumulative, as Prometheus' `le` buckets are: each counts every value at or below it.
+    expected = {0.001: 1, 0.0025: 1, 0.01: 1, 0.025: 3, 0.25: 3, 0.5: 4, 10.0: 4}
+    for bound, count in expected.items():
+        assert totals[bucket(f"{bound:.16g}")] == count, bound
+    assert totals[bucket("+Inf")] == 5
+    assert totals[("bls_request_latency_seconds_count", (model,))] == 5
+    assert math.isclose(totals[("bls_request_latency_seconds_sum", (model,))], 99.3244)
+    stage = ("stage", "classifier")
+    assert totals[bucket("0.001", stage, family="bls_stage_latency_seconds")] == 1
+    assert calls == len(pb.log)
+    assert metrics.flush(histograms=True) == 0, "a second flush publishes nothing new"
+
+
+def test_a_histogram_series_exposes_every_bucket_at_zero_from_load():
+    pb = _PbUtils()
+    Metrics(pb, "pipeline")
+    buckets = {dict(labels)["le"] for name, labels in pb.created
+               if name == "bls_request_latency_seconds_bucket"}
+    assert buckets == {f"{b:.16g}" for b in LATENCY_BUCKETS} | {"+Inf"}
+    assert ("bls_request_latency_seconds_count", (("model", "pipeline"),)) in pb.created
+
+
+def test_close_publishes_what_is_pending():
     pb = _PbUtils()
     metrics = Metrics(pb, "pipeline")
     metrics.observe("bls_request_latency_seconds", 0.012)
-    assert pb.log == [("observe", ("bls_request_latency_seconds", (("model", "pipeline"),)), 0.012)]
     metrics.increment("bls_cancelled_requests_total", stage="classifier")
     metrics.close()
-    assert pb.log[-1][0] == "increment" and pb.log[-1][2] == 1
+    totals = _published(pb)
+    assert totals[("bls_request_latency_seconds_count", (("model", "pipeline"),))] == 1
+    assert totals[("bls_cancelled_requests_total",
+                   (("model", "pipeline"), ("stage", "classifier")))] == 1
 
 
 def test_every_family_is_declared_once_with_the_prefix():
@@ -94,7 +144,9 @@ def test_every_known_series_exists_at_zero_from_load():
     for code in (*(c.value for c in Code), "SUCCESS"):
         assert ("bls_requests_total", tuple(sorted([model, ("code", code)]))) in created
     assert ("bls_deadline_exceeded_total", tuple(sorted([model, ("stage", "preprocess")]))) in created
-    assert {name for name, _ in created} == set(FAMILIES), "a family has no series at load"
+    assert {name for name, _ in created} == {name for family in FAMILIES
+                                             for name, _ in exposed(family)}, \
+        "a family has no series at load"
 
 
 def test_known_series_cover_what_the_runtime_counts():

@@ -127,6 +127,36 @@ def test_a_cancelled_request_stops_before_its_next_stages_and_is_counted_once(ma
     assert pb.metric("bls_requests_total", code="CANCELLED") == 1
 
 
+def test_cancellation_is_asked_once_per_step_not_per_stage(made):
+    """Each is_cancelled() is an IPC round trip: the concurrent branches share one answer, and
+    the first stage relies on Triton's scheduler, which checked as it handed over the request."""
+    pb = FakePbUtils(sub_models())
+    made.append(orch := orchestrator(pb))
+    requests = [Request(image(), request_id=f"r{i}") for i in range(5)]
+    for request in requests:
+        orch.execute([request])
+        wait_answered([request])
+    for request in requests:
+        (response,) = request.sender.sent
+        assert not response.has_error(), response.error().message()
+        assert request.sender.asked == 1, "asked before preprocess, or once per branch"
+
+
+def test_a_request_that_waited_for_a_slot_is_checked_before_its_first_stage(made):
+    pb = FakePbUtils(sub_models())
+    made.append(orch := orchestrator(pb, max_inflight_requests="1"))
+    first = Request(image(), request_id="classifier=0.3")
+    late = Request(image())
+    late.sender.cancelled.set()  # cancelled while it waited behind the first for a slot
+    orch.execute([first])
+    orch.execute([late])  # waits for the slot
+    wait_answered([first, late])
+    (response,) = late.sender.sent
+    assert response.error().code() == pb.TritonError.CANCELLED
+    assert [rid for _, rid in pb.calls].count("") == 0, "the cancelled request reached a stage"
+    assert settled_metric(pb, "bls_cancelled_requests_total", stage="preprocess") == 1
+
+
 def test_a_failing_sub_model_fails_its_request_with_internal_naming_the_stage(made):
     pb = FakePbUtils(sub_models(fail={"embedder"}))
     made.append(orch := orchestrator(pb))

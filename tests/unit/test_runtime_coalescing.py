@@ -11,6 +11,7 @@ import numpy as np
 
 from bls_models import pipelines
 from bls_models import spec as S
+from bls_models.metrics import FLUSH_SECONDS, HISTOGRAM_FLUSH_SECONDS
 from tests.unit.fake_pb_utils import FakePbUtils, Request, SubModelError
 from tests.unit.test_runtime import orchestrator, settled_metric, wait_answered
 
@@ -101,8 +102,11 @@ def test_a_burst_is_grouped_and_each_request_gets_exactly_its_own_rows(made):
     sizes = [rows for model, rows in models.batches if model == "classifier"]
     assert sum(sizes) == 300 and max(sizes) > 1 and max(sizes) <= S.CLASSIFIER.max_batch_size
     assert settled_metric(pb, "bls_requests_total", code="SUCCESS") == 300
-    assert pb.metric("bls_coalesced_group_size", stage="classifier",
-                     observation="count") == len(sizes)
+    time.sleep(HISTOGRAM_FLUSH_SECONDS + FLUSH_SECONDS)  # histograms are published less often
+    assert pb.metric("bls_coalesced_group_size_count", stage="classifier") == len(sizes)
+    assert pb.metric("bls_coalesced_group_size_sum", stage="classifier") == 300
+    assert pb.metric("bls_coalesced_group_size_bucket", stage="classifier",
+                     le="+Inf") == len(sizes)
 
 
 def test_alone_a_request_waits_for_no_company(made):
