@@ -8,7 +8,9 @@ sub-request, so a test steers one stage of one request by naming this model in t
     "fault_embedder:error:boom"                answer with an error "fault injected: boom"
     "fault_crash:crash"                        kill this stub process (os._exit)
 
-Several directives can be joined with ';'. Directives for other models are ignored.
+Several directives can be joined with ';'. Directives for other models are ignored. A coalesced
+sub-request carries its members' ids joined with ',': each member's directives count, and as in
+any batch a delay or an error applies to the whole execution.
 
 A model can also be made slow for every request, as a degraded dependency would be: while the
 file ``slow_ms`` exists in its model directory, each execution first sleeps that many
@@ -41,10 +43,11 @@ class TritonPythonModel:
 
     def directives(self, request):
         found = []
-        for token in request.request_id().split(";"):
-            parts = token.strip().split(":", 2)
-            if len(parts) >= 2 and parts[0] == self.name:
-                found.append((parts[1], parts[2] if len(parts) > 2 else ""))
+        for member in request.request_id().split(","):
+            for token in member.split(";"):
+                parts = token.strip().split(":", 2)
+                if len(parts) >= 2 and parts[0] == self.name:
+                    found.append((parts[1], parts[2] if len(parts) > 2 else ""))
         return found
 
     def execute(self, requests):
