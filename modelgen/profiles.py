@@ -14,7 +14,9 @@ Profiles:
   ONNX Runtime's CUDA execution provider; ``pipeline`` with ``gpu_tensors: "on"`` (PIXELS stays
   on the GPU between preprocess and the two CNNs).
 * ``gpu-ort-trt`` — ``gpu`` plus ONNX Runtime's TensorRT execution accelerator on every ONNX
-  model: FP16, engines cached under ``<cache>/ort-trt/<model>`` (built on first load).
+  model: FP16, an explicit optimisation profile per input (batch 1 to ``max_batch_size``, from
+  the spec), so each engine is built when the model loads, not on the first requests; engines
+  cached under ``<cache>/ort-trt/<model>``, which rendering creates.
 * ``gpu-trt`` — ``gpu`` plus native TensorRT models (``<model>_trt``, ``platform:
   "tensorrt_plan"``) for the CNN stages, whose engines ``scripts/build_trt_engines.py`` builds
   from the ONNX files on the target GPU; ``pipeline`` calls them through its stage parameters
@@ -73,6 +75,25 @@ def optimisation_shapes(model: S.ModelSpec) -> dict[str, tuple[tuple[int, ...], 
             for t in model.inputs}
 
 
+def trt_profile_shapes(model: S.ModelSpec) -> dict[str, str]:
+    """ONNX Runtime's TensorRT provider options for an explicit optimisation profile, from
+    ``optimisation_shapes``: ``trt_profile_{min,opt,max}_shapes``, each ``NAME:1x3x224x224`` with
+    one entry per input, comma-separated (onnxruntime_backend r24.10 passes these keys to ONNX
+    Runtime as given, src/onnxruntime.cc). With all three set for every dynamic input, ONNX
+    Runtime builds the engine when the session is created, i.e. when the model loads, and never
+    rebuilds it for a larger batch; without them it builds on the first request and again for
+    every batch larger than any seen."""
+    shapes = optimisation_shapes(model)
+    return {f"trt_profile_{which}_shapes": ",".join(
+                f"{name}:{'x'.join(map(str, triple[index]))}" for name, triple in shapes.items())
+            for index, which in enumerate(("min", "opt", "max"))}
+
+
+def ort_trt_cache(cache: str, model: str) -> str:
+    """Where ONNX Runtime's TensorRT provider keeps ``model``'s engines."""
+    return f"{cache}/ort-trt/{model}"
+
+
 def _gpu_group(model: S.ModelSpec) -> list[dict]:
     return [{"count": GPU_INSTANCES.get(model.name.removesuffix("_trt"), model.instance_count),
              "kind": "KIND_GPU"}]
@@ -91,7 +112,8 @@ def profile_config(model: S.ModelSpec, profile: str, cache: str = DEFAULT_CACHE)
             "parameters": {"precision_mode": "FP16",
                            "max_workspace_size_bytes": str(TRT_WORKSPACE_BYTES),
                            "trt_engine_cache_enable": "1",
-                           "trt_engine_cache_path": f"{cache}/ort-trt/{model.name}"}}]}}
+                           "trt_engine_cache_path": ort_trt_cache(cache, model.name),
+                           **trt_profile_shapes(model)}}]}}
     if model.orchestrates and registered(model.orchestrates).pass_through:
         # Pass-through outputs (PIXELS) stay on the GPU between stages (DLPack).
         config["parameters"]["gpu_tensors"] = {"string_value": "on"}
@@ -129,10 +151,24 @@ def render(profile: str, cache: str = DEFAULT_CACHE) -> dict[str, str]:
     return rendered
 
 
+def cache_directories(profile: str, cache: str = DEFAULT_CACHE) -> list[Path]:
+    """The directories the served configs of ``profile`` write to, which must exist before the
+    models load: ONNX Runtime's TensorRT provider creates only the last level of its
+    ``trt_engine_cache_path`` and throws when that fails, and the instances of a model load in
+    parallel, racing to create it."""
+    if profile != "gpu-ort-trt":
+        return []
+    return [Path(ort_trt_cache(cache, m.name)) for m in profile_models(profile)
+            if m.backend == "onnxruntime"]
+
+
 def write(profile: str, source: Path, out: Path, cache: str = DEFAULT_CACHE) -> list[str]:
-    """Render ``profile`` into ``out`` (replaced). Version directories link to ``source``'s files
-    (ONNX models, model.py); a ``*_trt`` model gets an empty version directory for its engine.
-    Returns the problems found by the orchestrators' own load-time stage check (none expected)."""
+    """Render ``profile`` into ``out`` (replaced) and create its cache directories. Version
+    directories link to ``source``'s files (ONNX models, model.py); a ``*_trt`` model gets an
+    empty version directory for its engine. Returns the problems found by the orchestrators' own
+    load-time stage check (none expected)."""
+    for directory in cache_directories(profile, cache):
+        directory.mkdir(parents=True, exist_ok=True)  # several containers may share the cache
     if out.exists():
         shutil.rmtree(out)
     out.mkdir(parents=True)

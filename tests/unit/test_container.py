@@ -112,7 +112,8 @@ def test_the_container_test_script_is_valid_bash():
 @pytest.mark.parametrize("profile", profiles.PROFILES)
 def test_every_gpu_profile_config_parses_and_meets_the_orchestrators_stage_check(profile, tmp_path,
                                                                                 repository):
-    problems = profiles.write(profile, repository, tmp_path / profile, cache="/var/cache/bls")
+    cache = tmp_path / "cache"
+    problems = profiles.write(profile, repository, tmp_path / profile, cache=str(cache))
     assert problems == []
     for model in profiles.profile_models(profile):
         config = configs.parse_pbtxt((tmp_path / profile / model.name / "config.pbtxt").read_text())
@@ -127,7 +128,8 @@ def test_every_gpu_profile_config_parses_and_meets_the_orchestrators_stage_check
         if profile == "gpu-ort-trt" and model.backend == "onnxruntime":
             (trt,) = accelerators
             assert trt.name == "tensorrt" and trt.parameters["precision_mode"] == "FP16"
-            assert trt.parameters["trt_engine_cache_path"] == f"/var/cache/bls/ort-trt/{model.name}"
+            assert trt.parameters["trt_engine_cache_path"] == f"{cache}/ort-trt/{model.name}"
+            assert set(trt.parameters) <= ORT_TRT_ACCELERATOR_KEYS, model.name
         else:
             assert not accelerators
         if model.backend == "onnxruntime":  # thread counts decided for GPU instances, not CPU's
@@ -136,6 +138,62 @@ def test_every_gpu_profile_config_parses_and_meets_the_orchestrators_stage_check
     pipeline = configs.parse_pbtxt((tmp_path / profile / "pipeline" / "config.pbtxt").read_text())
     classifier = pipeline.parameters["classifier_model"].string_value
     assert classifier == ("classifier_trt" if profile == "gpu-trt" else "classifier")
+
+
+# The TensorRT accelerator parameters onnxruntime_backend r24.10 accepts (src/onnxruntime.cc; any
+# other key fails the model's load with "unknown parameter ... for TensorRT Execution
+# Accelerator"). Only the ones the profiles may use are listed.
+ORT_TRT_ACCELERATOR_KEYS = {"precision_mode", "max_workspace_size_bytes", "trt_engine_cache_enable",
+                            "trt_engine_cache_path", "trt_profile_min_shapes",
+                            "trt_profile_opt_shapes", "trt_profile_max_shapes"}
+# ONNX Runtime's format for the profile shapes: NAME:dxdxd, one entry per input, comma-separated.
+PROFILE_SHAPES = re.compile(r"^\w+:\d+(x\d+)*(,\w+:\d+(x\d+)*)*$")
+
+
+def test_rendering_gpu_ort_trt_creates_its_engine_cache_directories(tmp_path, repository):
+    """ONNX Runtime's TensorRT provider creates only the last level of trt_engine_cache_path and
+    fails the load otherwise; the instances of a model load in parallel and would race for it."""
+    cache = tmp_path / "fresh-cache"
+    profiles.write("gpu-ort-trt", repository, tmp_path / "repo", cache=str(cache))
+    onnx_models = [m.name for m in S.ONNX_MODELS]
+    for name in onnx_models:
+        config = configs.parse_pbtxt((tmp_path / "repo" / name / "config.pbtxt").read_text())
+        (trt,) = config.optimization.execution_accelerators.gpu_execution_accelerator
+        assert Path(trt.parameters["trt_engine_cache_path"]).is_dir(), name
+    assert sorted(p.name for p in (cache / "ort-trt").iterdir()) == sorted(onnx_models)
+    # Rendering again (a restart, or another container on the same cache) is fine.
+    profiles.write("gpu-ort-trt", repository, tmp_path / "repo", cache=str(cache))
+    # The other profiles set no engine cache path and create nothing.
+    for profile in ("gpu", "gpu-trt"):
+        profiles.write(profile, repository, tmp_path / profile, cache=str(tmp_path / profile / "c"))
+        assert not (tmp_path / profile / "c").exists(), profile
+
+
+@pytest.mark.parametrize("model", S.ONNX_MODELS, ids=lambda m: m.name)
+def test_gpu_ort_trt_builds_each_engine_at_load_for_batch_1_to_max(model):
+    """Explicit min/opt/max shapes for every input: ONNX Runtime builds the engine when the
+    session is created (model load, inside the startup probe), not on the first request, and
+    never again for a larger batch."""
+    (trt,) = profiles.profile_config(model, "gpu-ort-trt", "/c")["optimization"][
+        "execution_accelerators"]["gpu_execution_accelerator"]
+    params = trt["parameters"]
+    shapes = {which: params[f"trt_profile_{which}_shapes"] for which in ("min", "opt", "max")}
+    for value in shapes.values():
+        assert PROFILE_SHAPES.match(value), value
+    dims = "x".join(map(str, model.inputs[0].dims))
+    opt = max(model.batching.preferred_batch_sizes)
+    name = model.inputs[0].name
+    assert len(model.inputs) == 1, "one entry per input: extend the expectation below"
+    assert shapes == {"min": f"{name}:1x{dims}", "opt": f"{name}:{opt}x{dims}",
+                      "max": f"{name}:{model.max_batch_size}x{dims}"}
+    assert 1 <= opt <= model.max_batch_size
+
+
+def test_the_classifiers_tensorrt_profile_is_spelled_as_onnx_runtime_reads_it():
+    params = profiles.trt_profile_shapes(S.CLASSIFIER)
+    assert params == {"trt_profile_min_shapes": "PIXELS:1x3x224x224",
+                      "trt_profile_opt_shapes": "PIXELS:16x3x224x224",
+                      "trt_profile_max_shapes": "PIXELS:16x3x224x224"}
 
 
 def test_trt_optimisation_shapes_come_from_the_spec():
