@@ -48,6 +48,10 @@ RUN python3 -m pip --version >/dev/null 2>&1 \
  && python3 -m pip install '.[container]'
 COPY scripts scripts
 COPY --from=export /src/model_repository model_repository
+# Fail here, not in a pod: import what the container will import, under this Python (every
+# bls_models module and the orchestrators' model.py, the entry script's modules, numpy < 2,
+# TensorRT's bindings over the image's libraries). Needs no GPU.
+RUN python3 scripts/check_image.py
 # An unprivileged user; the only writable place it needs is the cache (GPU-profile repository,
 # TensorRT engines), which `make docker-run` mounts as a volume so engines survive restarts.
 RUN groupadd --system --gid 10001 bls \
@@ -69,6 +73,7 @@ COPY tests tests
 RUN (command -v curl >/dev/null || (apt-get update && apt-get install -y --no-install-recommends curl \
       && rm -rf /var/lib/apt/lists/*)) \
  && python3 -m pip install --index-url https://download.pytorch.org/whl/cpu torch==2.13.0 \
- && python3 -m pip install '.[container-test]'
+ && python3 -m pip install '.[container-test]' \
+ && python3 scripts/check_image.py --test
 USER 10001:10001
 ENTRYPOINT ["/opt/bls/scripts/container-test.sh"]

@@ -226,12 +226,162 @@ def test_the_engine_build_refuses_a_config_that_disagrees_with_the_spec(tmp_path
     assert done.returncode != 0 and "differ from classifier's spec" in done.stderr
 
 
+def requirement_arrays(text: str) -> dict[str, list[str]]:
+    """The ``key = [ "requirement", ... ]`` arrays of pyproject.toml, on one line or closed by a
+    ``]`` at the start of a line: what these tests need of TOML. This suite also runs in the
+    image, whose Python 3.10 has no ``tomllib``."""
+    text = re.sub(r"(?m)#.*$", "", text)  # comments (the file has no '#' inside strings)
+    arrays = re.findall(r"(?ms)^([\w-]+)\s*=\s*\[([^\n]*?)\]\s*$"
+                        r"|^([\w-]+)\s*=\s*\[\s*\n(.*?)^\]", text)
+    return {one_key or key: re.findall(r'"([^"]+)"', one_body or body)
+            for one_key, one_body, key, body in arrays}
+
+
+def test_the_requirement_reader_agrees_with_tomllib_where_there_is_one():
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+: here, not in the image
+    text = (ROOT / "pyproject.toml").read_text()
+    project = tomllib.loads(text)["project"]
+    arrays = requirement_arrays(text)
+    assert arrays["dependencies"] == project["dependencies"]
+    for extra, requirements in project["optional-dependencies"].items():
+        assert arrays[extra] == requirements, extra
+
+
 def test_the_pinned_container_requirements_exist_for_the_images_python():
     """Pins that must match the NGC 24.10 image (Python 3.10, TensorRT 10.5, numpy < 2)."""
-    import tomllib
-
-    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    pins = {re.split(r"[=<>\[]", d)[0]: d for d in
-            project["dependencies"] + project["optional-dependencies"]["container"]}
+    arrays = requirement_arrays((ROOT / "pyproject.toml").read_text())
+    pins = {re.split(r"[=<>\[]", d)[0]: d for d in arrays["dependencies"] + arrays["container"]}
     assert pins["numpy"] == "numpy==1.26.4"
     assert pins["tensorrt-cu12-bindings"].endswith("==10.5.0")
+
+
+# -- Python 3.10, the image's ----------------------------------------------------------------------
+IMAGE_PYTHON = (3, 10)
+# The standard library's additions after 3.10 that this code base could plausibly reach for
+# (compiling with 3.10 cannot see them: they fail at import or call time). Best effort, not all.
+NEW_MODULES = {"tomllib", "wsgiref.types"}
+NEW_NAMES = {("datetime", "UTC"), ("typing", "Self"), ("typing", "LiteralString"),
+             ("typing", "Never"), ("typing", "assert_never"), ("typing", "reveal_type"),
+             ("typing", "Required"), ("typing", "NotRequired"), ("typing", "TypeVarTuple"),
+             ("typing", "Unpack"), ("typing", "dataclass_transform"), ("typing", "override"),
+             ("enum", "StrEnum"), ("enum", "ReprEnum"), ("enum", "verify"),
+             ("asyncio", "TaskGroup"), ("asyncio", "timeout"), ("asyncio", "timeout_at"),
+             ("asyncio", "Runner"), ("asyncio", "Barrier"), ("contextlib", "chdir"),
+             ("hashlib", "file_digest"), ("itertools", "batched"), ("operator", "call"),
+             ("math", "cbrt"), ("math", "exp2"), ("logging", "getLevelNamesMapping")}
+NEW_BUILTINS = {"ExceptionGroup", "BaseExceptionGroup"}
+
+
+def image_python_files() -> list[Path]:
+    """Every .py file the server and test images carry: under each directory the Dockerfile
+    COPYs from the build context, and the exported repository's model.py files."""
+    sources = {source for stage in ("export", "server", "test") for instruction in stages(DOCKERFILE)[stage]
+               if instruction.startswith("COPY ") and "--from" not in instruction
+               for source in instruction.split()[1:-1]}
+    files = {f for source in sources if (ROOT / source).is_dir()
+             for f in (ROOT / source).rglob("*.py") if "__pycache__" not in f.parts}
+    return sorted(files)
+
+
+def newer_than_the_image(source: str, name: str) -> list[str]:
+    """Uses of the standard library's post-3.10 additions in ``source`` (the file ``name``)."""
+    import ast
+
+    found = []
+    for node in ast.walk(ast.parse(source, name)):
+        if isinstance(node, ast.Import):
+            found += [a.name for a in node.names if a.name in NEW_MODULES]
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            if node.module in NEW_MODULES:
+                found.append(node.module)
+            found += [f"{node.module}.{a.name}" for a in node.names
+                      if (node.module, a.name) in NEW_NAMES]
+        elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+            if (node.value.id, node.attr) in NEW_NAMES:
+                found.append(f"{node.value.id}.{node.attr}")
+        elif isinstance(node, ast.Attribute) and node.attr == "add_note":
+            found.append("BaseException.add_note")
+        elif isinstance(node, ast.Name) and node.id in NEW_BUILTINS:
+            found.append(node.id)
+    return [f"{name}:{use}" for use in found]
+
+
+def python310() -> str | None:
+    """A Python 3.10 interpreter on this machine, if any (``$PYTHON310``, PATH, pyenv)."""
+    import glob
+    import shutil
+
+    candidates = [os.environ.get("PYTHON310", ""),
+                  *sorted(glob.glob(os.path.expanduser("~/.pyenv/versions/3.10*/bin/python3.10"))),
+                  shutil.which("python3.10") or ""]  # may be a pyenv shim that refuses to run
+    for candidate in filter(None, candidates):
+        try:
+            version = subprocess.run([candidate, "-c", "import sys; print(sys.version_info[:2])"],
+                                     capture_output=True, text=True, timeout=30).stdout.strip()
+        except OSError:
+            continue
+        if version == str(IMAGE_PYTHON):
+            return candidate
+    return None
+
+
+def test_the_images_python_files_include_what_its_scripts_run():
+    files = {str(f.relative_to(ROOT)) for f in image_python_files()}
+    for expected in ("bls_models/triton_runtime.py", "modelgen/profiles.py", "tritonlocal/flags.py",
+                     "scripts/build_trt_engines.py", "scripts/check_image.py",
+                     "tests/unit/test_container.py", "model_repository/pipeline/1/model.py"):
+        assert expected in files
+
+
+def test_every_python_file_the_image_carries_compiles_under_python_3_10():
+    """The image's python3 is 3.10: with a real 3.10 here (pyenv), each file is compiled by it;
+    otherwise parsed with the 3.10 grammar, which catches less (ast's feature_version)."""
+    files = image_python_files()
+    interpreter = python310()
+    if interpreter:
+        script = ("import sys\nfor path in sys.argv[1:]:\n"
+                  "    compile(open(path, encoding='utf-8').read(), path, 'exec')\n")
+        done = subprocess.run([interpreter, "-c", script, *map(str, files)],
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+    else:
+        import ast
+
+        for path in files:
+            ast.parse(path.read_text(), str(path), feature_version=IMAGE_PYTHON)
+
+
+def test_no_python_file_the_image_carries_uses_the_standard_librarys_post_3_10_additions():
+    found = [use for path in image_python_files()
+             for use in newer_than_the_image(path.read_text(), str(path.relative_to(ROOT)))]
+    assert found == [], "not in the image's Python 3.10: " + ", ".join(found)
+
+
+def test_the_post_3_10_check_finds_what_it_looks_for():
+    source = ("import tomllib\nfrom typing import Self\nimport datetime\nnow = datetime.UTC\n"
+              "raise ExceptionGroup('x', [])\n")
+    found = [use.split(":")[1] for use in newer_than_the_image(source, "sample.py")]
+    assert sorted(found) == ["ExceptionGroup", "datetime.UTC", "tomllib", "typing.Self"]
+
+
+def test_the_image_build_imports_what_the_container_imports():
+    server, test = stages(DOCKERFILE)["server"], stages(DOCKERFILE)["test"]
+    runs = [i for i in server if i.startswith("RUN ") and "scripts/check_image.py" in i]
+    assert runs, "the server image does not check its imports at build time"
+    # After the repository (its model.py files) and the scripts are in the image.
+    assert server.index(runs[0]) > max(n for n, i in enumerate(server) if i.startswith("COPY "))
+    assert any("scripts/check_image.py --test" in i for i in test if i.startswith("RUN "))
+
+
+def test_the_image_import_check_runs_here(monkeypatch):
+    """The check itself (its module lists and file paths), with this Python and without
+    TensorRT, which only the image has."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import check_image
+    finally:
+        sys.path.remove(str(ROOT / "scripts"))
+    monkeypatch.setattr(check_image, "tensorrt_version", lambda: "(not here)")
+    done = check_image.check(test_image=False)
+    assert "bls_models.triton_runtime" in done and "scripts/build_trt_engines.py" in done
+    assert "model_repository/pipeline/1/model.py" in done
