@@ -62,7 +62,11 @@ VOLUME ["/var/cache/bls"]
 EXPOSE 8000 8001 8002
 HEALTHCHECK --interval=10s --timeout=5s --start-period=600s --retries=3 \
   CMD python3 -c "import sys, urllib.request; sys.exit(0 if urllib.request.urlopen('http://127.0.0.1:8000/v2/health/ready', timeout=4).status == 200 else 1)"
-ENTRYPOINT ["/opt/bls/scripts/container-serve.sh"]
+# Through NGC's own entry point first: it runs /opt/nvidia/entrypoint.d/ (among them the CUDA
+# forward-compatibility set-up that lets this CUDA 12.6 image start on older drivers such as
+# R535/R550), then execs its arguments. docs/production.md: medium confidence, not verified
+# against the 24.10 image's own script.
+ENTRYPOINT ["/opt/nvidia/nvidia_entrypoint.sh", "/opt/bls/scripts/container-serve.sh"]
 
 # -- 3. The test image: the server image plus the suite's dependencies -------------------------
 # `make test-container` runs it; the production image above carries no test tooling.
@@ -76,4 +80,4 @@ RUN (command -v curl >/dev/null || (apt-get update && apt-get install -y --no-in
  && python3 -m pip install '.[container-test]' \
  && python3 scripts/check_image.py --test
 USER 10001:10001
-ENTRYPOINT ["/opt/bls/scripts/container-test.sh"]
+ENTRYPOINT ["/opt/nvidia/nvidia_entrypoint.sh", "/opt/bls/scripts/container-test.sh"]

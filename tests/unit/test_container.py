@@ -58,6 +58,22 @@ def test_each_image_runs_as_a_non_root_user_with_an_entry_point(stage):
     assert users[-1].split(":")[0] == "10001"
 
 
+NGC_ENTRYPOINT = "/opt/nvidia/nvidia_entrypoint.sh"
+
+
+@pytest.mark.parametrize("stage, script", [("server", "container-serve.sh"),
+                                           ("test", "container-test.sh")])
+def test_each_image_starts_through_ngcs_entry_point_then_its_script(stage, script):
+    """NGC's entry point sets up CUDA forward compatibility (older drivers), then execs its
+    arguments: the project's script must come after it, not instead of it."""
+    import json
+
+    (entrypoint,) = [i for i in stages(DOCKERFILE)[stage] if i.startswith("ENTRYPOINT")][-1:]
+    argv = json.loads(entrypoint.removeprefix("ENTRYPOINT"))  # exec form: no shell in between
+    assert argv == [NGC_ENTRYPOINT, f"/opt/bls/scripts/{script}"]
+    assert (ROOT / "scripts" / script).stat().st_mode & 0o111, f"{script} is not executable"
+
+
 def test_the_server_image_has_a_readiness_health_check_and_the_served_ports():
     server = stages(DOCKERFILE)["server"]
     health = [i for i in server if i.startswith("HEALTHCHECK")]
