@@ -52,8 +52,8 @@ COPY --from=export /src/model_repository model_repository
 # bls_models module and the orchestrators' model.py, the entry script's modules, numpy < 2,
 # TensorRT's bindings over the image's libraries). Needs no GPU.
 RUN python3 scripts/check_image.py
-# An unprivileged user; the only writable place it needs is the cache (GPU-profile repository,
-# TensorRT engines), which `make docker-run` mounts as a volume so engines survive restarts.
+# An unprivileged user; it writes only to the cache (TensorRT engines), which `make docker-run`
+# mounts as a volume so engines survive restarts, and to /tmp (the repository each start renders).
 RUN groupadd --system --gid 10001 bls \
  && useradd --system --uid 10001 --gid bls --home-dir /opt/bls --shell /usr/sbin/nologin bls \
  && mkdir -p /var/cache/bls && chown bls:bls /var/cache/bls

@@ -94,24 +94,58 @@ def test_every_copy_source_exists_and_no_secret_is_baked_in():
             assert not re.search(r"(?i)(key|token|password|secret)\s*=", instruction), instruction
 
 
-@pytest.mark.parametrize("profile", ["portable", *profiles.PROFILES])
-def test_the_entry_script_dry_run_renders_the_profile_and_the_command(profile, tmp_path, repository):
+def entry_script(profile: str, cache: Path, run_dir: Path, repository: Path,
+                 *args: str) -> subprocess.CompletedProcess:
+    """``scripts/container-serve.sh`` in dry-run mode, the venv's interpreter standing in for the
+    image's python3."""
     python_dir = Path(sys.executable).parent
-    env = {**os.environ, "BLS_HOME": str(ROOT), "BLS_CACHE": str(tmp_path), "BLS_PROFILE": profile,
-           "BLS_DRY_RUN": "1", "BLS_MODEL_REPOSITORY": str(repository),
-           # the venv's interpreter stands in for the image's python3
-           "PATH": f"{python_dir}:{os.environ['PATH']}"}
     if not (python_dir / "python3").exists():
         pytest.skip("no python3 beside the test interpreter")
-    done = subprocess.run(["bash", str(ROOT / "scripts/container-serve.sh"), "--log-verbose=1"],
+    env = {**os.environ, "BLS_HOME": str(ROOT), "BLS_CACHE": str(cache), "BLS_PROFILE": profile,
+           "BLS_DRY_RUN": "1", "BLS_MODEL_REPOSITORY": str(repository), "BLS_RUN_DIR": str(run_dir),
+           "PATH": f"{python_dir}:{os.environ['PATH']}"}
+    done = subprocess.run(["bash", str(ROOT / "scripts/container-serve.sh"), *args],
                           env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
+    return done
+
+
+def served_repository(command: list[str]) -> Path:
+    (flag,) = [f for f in command if f.startswith("--model-repository=")]
+    return Path(flag.split("=", 1)[1])
+
+
+@pytest.mark.parametrize("profile", ["portable", *profiles.PROFILES])
+def test_the_entry_script_dry_run_renders_the_profile_and_the_command(profile, tmp_path, repository):
+    done = entry_script(profile, tmp_path / "cache", tmp_path / "run", repository, "--log-verbose=1")
     command = done.stdout.strip().splitlines()[-1].split()
-    expected_repo = repository if profile == "portable" else tmp_path / f"repository-{profile}"
+    served = served_repository(command)
+    if profile == "portable":
+        assert served == repository
+    else:  # rendered into a directory of this container's own, outside the shared cache
+        assert served.parent == tmp_path / "run"
+        assert re.fullmatch(rf"repository-{profile}\.\w{{6}}", served.name), served.name
+        assert (served / "pipeline" / "config.pbtxt").is_file()
     assert command[0] == "tritonserver" and command[-1] == "--log-verbose=1"
-    assert command[1:-1] == flags.container_flags(str(expected_repo))
+    assert command[1:-1] == flags.container_flags(str(served))
     if profile == "gpu-trt":
         assert "classifier_trt" in done.stderr and "nothing built" in done.stderr
+
+
+def test_containers_sharing_a_cache_each_serve_a_repository_of_their_own(tmp_path, repository):
+    """Two containers (or pods) on one cache volume: the second start must not delete or rewrite
+    the repository the first one's server is reading."""
+    cache, run = tmp_path / "shared-cache", tmp_path / "run"
+    first = served_repository(entry_script("gpu-ort-trt", cache, run, repository).stdout.split())
+    before = {p: p.read_text() for p in first.glob("*/config.pbtxt")}
+    second = served_repository(entry_script("gpu-ort-trt", cache, run, repository).stdout.split())
+    assert first != second
+    assert {p: p.read_text() for p in first.glob("*/config.pbtxt")} == before
+    assert len(before) == len(list(second.glob("*/config.pbtxt"))) == len(profiles.profile_models(
+        "gpu-ort-trt"))
+    assert not list(cache.glob("repository-*")), "nothing rendered into the shared cache"
+    # What they do share: ONNX Runtime's engine cache directories.
+    assert (cache / "ort-trt" / "classifier").is_dir()
 
 
 def test_an_unknown_profile_is_refused():
@@ -119,6 +153,17 @@ def test_an_unknown_profile_is_refused():
                           env={**os.environ, "BLS_PROFILE": "tpu", "BLS_DRY_RUN": "1"},
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and "BLS_PROFILE must be" in done.stderr
+
+
+def test_docker_run_and_test_container_use_separate_cache_volumes():
+    makefile = (ROOT / "Makefile").read_text()
+    variables = dict(re.findall(r"(?m)^(\w+)\s*\?=\s*(\S+)", makefile))
+    recipes = {target: body for target, body in re.findall(
+        r"(?ms)^([\w-]+):[^\n]*\n((?:\t[^\n]*\n)+)", makefile)}
+    mounts = {target: re.findall(r"-v \$\((\w+)\):/var/cache/bls", recipes[target])
+              for target in ("docker-run", "test-container")}
+    assert mounts == {"docker-run": ["CACHE_VOLUME"], "test-container": ["TEST_CACHE_VOLUME"]}
+    assert variables["CACHE_VOLUME"] != variables["TEST_CACHE_VOLUME"]
 
 
 def test_the_container_test_script_is_valid_bash():
@@ -230,6 +275,65 @@ def test_the_engine_build_dry_run_plans_every_trt_model(tmp_path, repository):
         assert f"{name}_trt: " in done.stdout
     assert "configs and ONNX files agree" in done.stdout
     assert not (tmp_path / "engines").exists(), "a dry run builds nothing"
+
+
+def build_script():
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import build_trt_engines
+    finally:
+        sys.path.remove(str(ROOT / "scripts"))
+    return build_trt_engines
+
+
+def test_an_engine_is_written_through_a_temporary_file_of_its_own_then_renamed(tmp_path, monkeypatch):
+    """Containers sharing the engine cache may build the same engine at once: each writes its own
+    temporary file (never a fixed `<name>.partial`) and renames it over the engine."""
+    build = build_script()
+    renames = []
+    real_replace = os.replace
+    monkeypatch.setattr(build.os, "replace",
+                        lambda src, dst: (renames.append((Path(src), Path(dst))), real_replace(src, dst)))
+    target = tmp_path / "engines" / "classifier_trt-0123456789abcdef.plan"
+    build.publish(target, b"first engine")
+    build.publish(target, b"second engine")
+    assert target.read_bytes() == b"second engine"
+    (src1, dst1), (src2, dst2) = renames
+    assert dst1 == dst2 == target and src1 != src2
+    assert src1.parent == src2.parent == target.parent  # a rename, never a copy across devices
+    assert src1.name.endswith(".partial") and src1.name != target.with_suffix(".partial").name
+    assert sorted(p.name for p in target.parent.iterdir()) == [target.name], "temporaries left"
+    assert target.stat().st_mode & 0o777 == 0o644
+
+
+def test_an_engine_write_that_fails_leaves_the_cached_engine_and_no_temporary(tmp_path, monkeypatch):
+    build = build_script()
+    target = tmp_path / "model.plan"
+    build.publish(target, b"good engine")
+
+    def crash(src, dst):
+        raise OSError("disk gone")
+
+    monkeypatch.setattr(build.os, "replace", crash)
+    with pytest.raises(OSError, match="disk gone"):
+        build.publish(target, b"half an engine")
+    assert target.read_bytes() == b"good engine"
+    assert [p.name for p in tmp_path.iterdir()] == ["model.plan"]
+
+
+def test_concurrent_engine_writes_leave_one_whole_engine(tmp_path):
+    import threading
+
+    build = build_script()
+    target = tmp_path / "model.plan"
+    engines = [bytes([n]) * (4 * 2**20) for n in range(4)]
+    threads = [threading.Thread(target=build.publish, args=(target, e)) for e in engines]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert target.read_bytes() in engines
+    assert [p.name for p in tmp_path.iterdir()] == ["model.plan"]
 
 
 def test_the_engine_build_refuses_a_config_that_disagrees_with_the_spec(tmp_path, repository):
