@@ -23,7 +23,12 @@ IMAGE            ?= triton-bls-pipelines:24.10
 TEST_IMAGE       ?= triton-bls-pipelines-test:24.10
 BLS_PROFILE      ?= gpu
 GPUS             ?= all
+# /dev/shm (docker run --shm-size), by the rule of docs/operations.md ("Shared memory";
+# `python -m tritonlocal.shm REPO...` computes it): the server needs 128 MiB at start (1g leaves
+# room to grow; 2g with the logits tagger), the test container, which also serves the test-only
+# models, 6.2 GiB. tests/unit/test_container.py checks both against the rule.
 SHM_SIZE         ?= 1g
+TEST_SHM_SIZE    ?= 8g
 PUBLISH_HOST     ?= 127.0.0.1
 # Engine caches (Docker volumes): one for the served container, another for the test container,
 # so a test run never shares its cache with a server (each container renders its own repository).
@@ -42,7 +47,7 @@ help: ## Show this help
 	@echo "  make bench-<experiment>  one experiment: $(BENCH_EXPERIMENTS)"
 	@echo "  Variables: HTTP_PORT GRPC_PORT METRICS_PORT MODEL_REPOSITORY MODEL_SIZE=small|full PYTEST_ARGS SOAK_ARGS"
 	@echo "  Backend:   TRITON_SOURCES=$(TRITON_SOURCES) ORT_HEADERS=$(ORT_HEADERS) BACKEND_CACHE=$(BACKEND_CACHE)"
-	@echo "  Container: IMAGE TEST_IMAGE BLS_PROFILE=portable|gpu|gpu-ort-trt|gpu-trt GPUS SHM_SIZE PUBLISH_HOST CACHE_VOLUME TEST_CACHE_VOLUME"
+	@echo "  Container: IMAGE TEST_IMAGE BLS_PROFILE=portable|gpu|gpu-ort-trt|gpu-trt GPUS SHM_SIZE TEST_SHM_SIZE PUBLISH_HOST CACHE_VOLUME TEST_CACHE_VOLUME"
 
 $(STAMP): pyproject.toml scripts/install_system_deps.sh scripts/install_perf_analyzer.py
 	scripts/install_system_deps.sh $(PYTHON)
@@ -96,7 +101,7 @@ docker-run: models ## Serve in the container on GPUs (BLS_PROFILE, SHM_SIZE, PUB
 	    -v $(CURDIR)/$(MODEL_REPOSITORY):/opt/bls/model_repository:ro $(IMAGE)
 
 test-container: ## Run the test suite inside the test image against its own server (GPU host)
-	docker run --rm --gpus $(GPUS) --shm-size=$(SHM_SIZE) --security-opt=no-new-privileges \
+	docker run --rm --gpus $(GPUS) --shm-size=$(TEST_SHM_SIZE) --security-opt=no-new-privileges \
 	    -e BLS_PROFILE=$(BLS_PROFILE) -v $(TEST_CACHE_VOLUME):/var/cache/bls $(TEST_IMAGE) $(PYTEST_ARGS)
 
 clean: ## Remove generated models, logs and caches (keeps .venv)

@@ -505,3 +505,70 @@ def test_the_image_import_check_runs_here(monkeypatch):
     done = check_image.check(test_image=False)
     assert "bls_models.triton_runtime" in done and "scripts/build_trt_engines.py" in done
     assert "model_repository/pipeline/1/model.py" in done
+
+
+# -- /dev/shm for the python backend's regions ------------------------------------------------------
+def docker_size(value: str) -> int:
+    """A ``docker run --shm-size`` value (b, k, m, g: powers of 1024) in bytes."""
+    number, unit = re.fullmatch(r"(\d+)([bkmg]?)", value.lower()).groups()
+    return int(number) * 1024 ** "bkmg".index(unit or "b")
+
+
+def makefile_variable(name: str) -> str:
+    return re.search(rf"(?m)^{name}\s*\?=\s*(\S+)", (ROOT / "Makefile").read_text()).group(1)
+
+
+def test_the_shm_budget_is_the_rule_of_the_operations_docs():
+    """The rule docs/operations.md states, with the region sizes the servers are started with."""
+    from tritonlocal import shm
+
+    docs = (ROOT / "docs" / "operations.md").read_text()
+    assert "stubs x 32 MiB  +  the growth of the stubs that pass large tensors" in docs
+    assert flags.SHM_DEFAULT_BYTES == 32 * shm.MIB and flags.SHM_GROWTH_BYTES == 16 * shm.MIB
+    # The tagger's logits are large (28.7 MB a sequence), PIXELS (602 KB an image) is not.
+    assert shm.LARGE_ROW_BYTES < S.TAGGER_SEQ_LEN * S.TAGGER_VOCAB * 4
+    assert shm.LARGE_ROW_BYTES > 3 * S.IMAGE_SIZE * S.IMAGE_SIZE * 4
+
+
+def test_an_orchestrator_over_the_logits_tagger_grows_by_its_threads_times_a_full_batch(tmp_path):
+    from modelgen import variants
+    from tritonlocal import shm
+
+    logits = variants.variant(S.TAG_PIPELINE, "tag_logits", tagger_model="tagger")
+    for spec in (logits, S.TAGGER, S.TAG_PIPELINE, S.TAGGER_TAGS):
+        (tmp_path / spec.name).mkdir()
+        (tmp_path / spec.name / "config.pbtxt").write_text(configs.render(spec))
+    result = shm.budget([tmp_path])
+    threads = int(logits.parameters["subrequest_threads"])
+    held = threads * S.TAGGER.max_batch_size * S.TAGGER_SEQ_LEN * S.TAGGER_VOCAB * 4  # 920 MB
+    step = flags.SHM_GROWTH_BYTES
+    assert result.growing == {"tag_logits": -(-held // step) * step}  # tag_pipeline: tagger_tags
+    assert result.stubs == 2 * S.TAG_PIPELINE.instance_count
+    assert result.total_bytes == result.stubs * flags.SHM_DEFAULT_BYTES + 2 * result.growing["tag_logits"]
+
+
+@pytest.mark.parametrize("profile", profiles.PROFILES)
+def test_the_shm_sizes_satisfy_the_rule_for_what_each_container_serves(profile, tmp_path, repository):
+    """`make test-container` serves the profile and the test-only models (scripts/container-test.sh);
+    `make docker-run` and the Kubernetes pod the profile alone. An undersized /dev/shm is not
+    noticed at start (regions are only ftruncate'd) but kills stubs with SIGBUS under a burst."""
+    from bench import experiments
+    from tritonlocal import shm
+
+    served = tmp_path / "served"
+    profiles.write(profile, repository, served, cache=str(tmp_path / "cache"))
+    test_only = experiments.build_test_repository(tmp_path / "test_only", served)
+
+    in_test_container = shm.budget([served, test_only])
+    assert in_test_container.stubs > 50  # the test-only models run in stubs too
+    assert docker_size(makefile_variable("TEST_SHM_SIZE")) >= in_test_container.total_bytes, (
+        f"TEST_SHM_SIZE={makefile_variable('TEST_SHM_SIZE')} < "
+        f"{in_test_container.total_bytes / 2**30:.2f} GiB needed")
+
+    server = shm.budget([served])
+    assert docker_size(makefile_variable("SHM_SIZE")) >= server.total_bytes
+    import yaml
+
+    deployment = yaml.safe_load((ROOT / "deploy" / "kubernetes" / "deployment.yaml").read_text())
+    (dshm,) = [v for v in deployment["spec"]["template"]["spec"]["volumes"] if v["name"] == "dshm"]
+    assert float(dshm["emptyDir"]["sizeLimit"].removesuffix("Gi")) * 2**30 >= server.total_bytes
