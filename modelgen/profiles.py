@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 import shutil
 import sys
@@ -52,6 +53,7 @@ GPU_INSTANCES = {"preprocess": 1, "classifier": 2, "embedder": 2, "tagger": 1, "
 # (The tagger's INT64 token input and preprocess's UINT8 image stay on ONNX Runtime.)
 TRT_MODELS = ("classifier", "embedder")
 TRT_WORKSPACE_BYTES = 2 * 2**30
+_DTYPE_BYTES = {"TYPE_UINT8": 1, "TYPE_FP32": 4, "TYPE_INT64": 8}
 # ONNX Runtime's CPU threads on GPU instances, decided apart from the CPU profile's
 # (spec.ORT_CPU_PARAMETERS). With the CUDA or TensorRT provider the kernels run on the GPU; a
 # session's CPU threads only run the few CPU-placed nodes and launch work, and several sessions
@@ -59,6 +61,46 @@ TRT_WORKSPACE_BYTES = 2 * 2**30
 # leave room for CPU-placed nodes without a per-session pool of every core. Not yet measured on
 # a GPU: `make bench-ort_options` on the GPU host is where to revisit it.
 GPU_ORT_PARAMETERS = {"intra_op_thread_count": "2", "inter_op_thread_count": "1"}
+
+
+def cuda_pool_need() -> dict[str, int]:
+    """Bytes of Triton's CUDA memory pool one GPU uses at once in the GPU profiles, by what
+    holds them (docs/production.md, "The CUDA memory pool"). Rows in flight per model and GPU:
+    ``instances x max_batch_size x 2``, one batch running per instance and the next one forming.
+
+    * ``bls_inputs``: every sub-request that sends a pass-through tensor still on the GPU gets
+      its own device copy, allocated from the pool by the python backend (python_be.cc r24.10);
+      for PIXELS, each of its consumers' rows in flight.
+    * ``bls_outputs``: the pass-through outputs themselves (the producer's response, allocated
+      from the pool), alive until the request's last consumer answers: the rows in flight of
+      the busiest consumer.
+    * ``batch_buffers``: the onnxruntime backend gathers a batch's inputs into one contiguous GPU
+      buffer from the pool (backend_input_collector.cc r24.10): the rows every GPU instance of
+      every ONNX model runs or forms at once."""
+    def rows(model: S.ModelSpec) -> int:
+        return GPU_INSTANCES[model.name] * model.max_batch_size * 2
+
+    def row_bytes(tensor: S.TensorSpec) -> int:
+        return _DTYPE_BYTES[tensor.dtype] * math.prod(tensor.dims)
+
+    inputs = outputs = 0
+    for definition in S.PIPELINE_DEFS:
+        for stage, names in definition.pass_through.items():
+            for name in names:
+                consumers = [s.contracts[0] for s in definition.stages
+                             if any(t.name == name for t in s.contracts[0].inputs)]
+                tensor = next(t for c in consumers for t in c.inputs if t.name == name)
+                inputs += sum(rows(c) for c in consumers) * row_bytes(tensor)
+                outputs += max(rows(c) for c in consumers) * row_bytes(tensor)
+    batches = sum(GPU_INSTANCES[m.name] * m.max_batch_size * sum(row_bytes(t) for t in m.inputs)
+                  for m in S.ONNX_MODELS)
+    return {"bls_inputs": inputs, "bls_outputs": outputs, "batch_buffers": batches}
+
+
+def cuda_pool_bytes() -> int:
+    """The pool per GPU: ``cuda_pool_need`` with half again for the pool's fragmentation, rounded
+    up to a power of two (256 MiB, the largest pool Triton's own BLS tests run with)."""
+    return 1 << math.ceil(math.log2(sum(cuda_pool_need().values()) * 1.5))
 
 
 def trt_name(model: str) -> str:

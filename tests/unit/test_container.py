@@ -132,6 +132,34 @@ def test_the_entry_script_dry_run_renders_the_profile_and_the_command(profile, t
         assert "classifier_trt" in done.stderr and "nothing built" in done.stderr
 
 
+def test_the_container_server_gets_a_cuda_memory_pool_per_gpu_of_the_documented_size(tmp_path,
+                                                                                  repository):
+    """Triton's 64 MiB default holds fewer than 7 batch-16 PIXELS (9.6 MB each); past it, every
+    GPU tensor of a BLS request or response is a cudaMalloc/cudaFree with its own IPC handle."""
+    size = flags.CUDA_MEMORY_POOL_BYTES
+    assert size == profiles.cuda_pool_bytes() == 256 * 2**20
+    need = sum(profiles.cuda_pool_need().values())
+    assert 64 * 2**20 < need < size
+    docs = (ROOT / "docs" / "production.md").read_text()
+    assert "--cuda-memory-pool-byte-size" in docs and f"{need:,} bytes" in docs
+    assert f"{size // 2**20} MiB" in docs
+    expected = [f"--cuda-memory-pool-byte-size={gpu}:{size}" for gpu in range(flags.CUDA_POOL_GPUS)]
+    done = entry_script("gpu", tmp_path / "cache", tmp_path / "run", repository)
+    command = done.stdout.split()
+    assert [f for f in command if f.startswith("--cuda-memory-pool-byte-size")] == expected
+    # Only the container's server: the local one has no GPU.
+    assert not any(f.startswith("--cuda") for f in flags.serving_flags())
+
+
+def test_the_cuda_pool_arithmetic_counts_every_gpu_copy_of_pixels():
+    pixels = 3 * S.IMAGE_SIZE * S.IMAGE_SIZE * 4
+    need = profiles.cuda_pool_need()
+    rows = {m: profiles.GPU_INSTANCES[m] * S.model(m).max_batch_size * 2
+            for m in ("classifier", "embedder")}
+    assert need["bls_inputs"] == (rows["classifier"] + rows["embedder"]) * pixels
+    assert need["bls_outputs"] == max(rows.values()) * pixels
+
+
 def test_containers_sharing_a_cache_each_serve_a_repository_of_their_own(tmp_path, repository):
     """Two containers (or pods) on one cache volume: the second start must not delete or rewrite
     the repository the first one's server is reading."""
