@@ -136,6 +136,20 @@ def ort_trt_cache(cache: str, model: str) -> str:
     return f"{cache}/ort-trt/{model}"
 
 
+def warmup_samples(model: S.ModelSpec) -> list[dict]:
+    """``model_warmup`` of a GPU model: one sample of zeros per batch size, 1 to
+    ``max_batch_size``, run by each instance before the server reports ready. The onnxruntime
+    backend runs ONNX Runtime's CUDA provider with ``cudnn_conv_algo_search`` EXHAUSTIVE unless
+    told otherwise (src/onnxruntime.cc r24.10): the first batch of every new size benchmarks
+    every convolution's algorithms, a stall of up to seconds on a request already in flight. A
+    TensorRT engine needs no such search; warming it runs its first executions. (Triton sends a
+    sample of ``batch_size`` N as N one-row requests, which the backend runs as one batch.)"""
+    return [{"name": f"batch_{n}", "batch_size": n,
+             "inputs": {t.name: {"data_type": t.dtype, "dims": list(t.dims), "zero_data": True}
+                        for t in model.inputs}}
+            for n in range(1, model.max_batch_size + 1)]
+
+
 def _gpu_group(model: S.ModelSpec) -> list[dict]:
     return [{"count": GPU_INSTANCES.get(model.name.removesuffix("_trt"), model.instance_count),
              "kind": "KIND_GPU"}]
@@ -148,6 +162,8 @@ def profile_config(model: S.ModelSpec, profile: str, cache: str = DEFAULT_CACHE)
         config["instance_group"] = _gpu_group(model)
     if model.backend == "onnxruntime":
         config["parameters"].update({k: {"string_value": v} for k, v in GPU_ORT_PARAMETERS.items()})
+    if model.backend == "onnxruntime" or model.platform == "tensorrt_plan":
+        config["model_warmup"] = warmup_samples(model)
     if profile == "gpu-ort-trt" and model.backend == "onnxruntime":
         config["optimization"] = {"execution_accelerators": {"gpu_execution_accelerator": [{
             "name": "tensorrt",

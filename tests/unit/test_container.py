@@ -140,7 +140,7 @@ def test_the_container_server_gets_a_cuda_memory_pool_per_gpu_of_the_documented_
     assert size == profiles.cuda_pool_bytes() == 256 * 2**20
     need = sum(profiles.cuda_pool_need().values())
     assert 64 * 2**20 < need < size
-    docs = (ROOT / "docs" / "production.md").read_text()
+    docs = " ".join((ROOT / "docs" / "production.md").read_text().split())
     assert "--cuda-memory-pool-byte-size" in docs and f"{need:,} bytes" in docs
     assert f"{size // 2**20} MiB" in docs
     expected = [f"--cuda-memory-pool-byte-size={gpu}:{size}" for gpu in range(flags.CUDA_POOL_GPUS)]
@@ -283,6 +283,40 @@ def test_the_classifiers_tensorrt_profile_is_spelled_as_onnx_runtime_reads_it():
     assert params == {"trt_profile_min_shapes": "PIXELS:1x3x224x224",
                       "trt_profile_opt_shapes": "PIXELS:16x3x224x224",
                       "trt_profile_max_shapes": "PIXELS:16x3x224x224"}
+
+
+@pytest.mark.parametrize("profile", profiles.PROFILES)
+def test_gpu_models_warm_up_every_batch_size_before_the_server_is_ready(profile, tmp_path, repository):
+    """Every ONNX and TensorRT model of a GPU profile warms each batch size it can be given
+    (ONNX Runtime's CUDA provider searches convolution algorithms per new input shape), with
+    samples Triton accepts: each config input, its type and dims, one data source, a batch
+    within max_batch_size. Orchestrators and the ensemble have none."""
+    profiles.write(profile, repository, tmp_path / profile, cache=str(tmp_path / "cache"))
+    for model in profiles.profile_models(profile):
+        config = configs.parse_pbtxt((tmp_path / profile / model.name / "config.pbtxt").read_text())
+        if model.backend != "onnxruntime" and model.platform != "tensorrt_plan":
+            assert not config.model_warmup, model.name
+            continue
+        assert [w.batch_size for w in config.model_warmup] == list(range(1, config.max_batch_size + 1))
+        for sample in config.model_warmup:
+            assert set(sample.inputs) == {t.name for t in config.input}, model.name
+            for tensor in config.input:
+                warm = sample.inputs[tensor.name]
+                assert (warm.data_type, list(warm.dims)) == (tensor.data_type, list(tensor.dims))
+                assert warm.WhichOneof("input_data_type") == "zero_data" and warm.zero_data
+
+
+def test_the_committed_portable_configs_have_no_warmup(repository):
+    """Warm-up is for the GPU profiles; the committed configs also serve the local CPU server."""
+    for path in sorted(repository.glob("*/config.pbtxt")):
+        assert not configs.parse_pbtxt(path.read_text()).model_warmup, path
+
+
+def test_warmup_runs_per_gpu_are_the_documented_count():
+    runs = sum(profiles.GPU_INSTANCES[m.name] * m.max_batch_size for m in S.ONNX_MODELS)
+    assert runs == 104
+    docs = " ".join((ROOT / "docs" / "production.md").read_text().split())
+    assert "104 warm-up executions per GPU" in docs
 
 
 def test_trt_optimisation_shapes_come_from_the_spec():
