@@ -85,7 +85,7 @@ def cuda_pool_need() -> dict[str, int]:
 
     inputs = outputs = 0
     for definition in S.PIPELINE_DEFS:
-        for stage, names in definition.pass_through.items():
+        for names in definition.pass_through.values():
             for name in names:
                 consumers = [s.contracts[0] for s in definition.stages
                              if any(t.name == name for t in s.contracts[0].inputs)]
