@@ -48,8 +48,12 @@ RUN python3 -m pip --version >/dev/null 2>&1 \
  && python3 -m pip install '.[container]'
 COPY scripts scripts
 COPY --from=export /src/model_repository model_repository
-# An unprivileged user; the only writable place it needs is the cache (GPU-profile repository,
-# TensorRT engines), which `make docker-run` mounts as a volume so engines survive restarts.
+# Fail here, not in a pod: import what the container will import, under this Python (every
+# bls_models module and the orchestrators' model.py, the entry script's modules, numpy < 2,
+# TensorRT's bindings over the image's libraries). Needs no GPU.
+RUN python3 scripts/check_image.py
+# An unprivileged user; it writes only to the cache (TensorRT engines), which `make docker-run`
+# mounts as a volume so engines survive restarts, and to /tmp (the repository each start renders).
 RUN groupadd --system --gid 10001 bls \
  && useradd --system --uid 10001 --gid bls --home-dir /opt/bls --shell /usr/sbin/nologin bls \
  && mkdir -p /var/cache/bls && chown bls:bls /var/cache/bls
@@ -58,7 +62,11 @@ VOLUME ["/var/cache/bls"]
 EXPOSE 8000 8001 8002
 HEALTHCHECK --interval=10s --timeout=5s --start-period=600s --retries=3 \
   CMD python3 -c "import sys, urllib.request; sys.exit(0 if urllib.request.urlopen('http://127.0.0.1:8000/v2/health/ready', timeout=4).status == 200 else 1)"
-ENTRYPOINT ["/opt/bls/scripts/container-serve.sh"]
+# Through NGC's own entry point first: it runs /opt/nvidia/entrypoint.d/ (among them the CUDA
+# forward-compatibility set-up that lets this CUDA 12.6 image start on older drivers such as
+# R535/R550), then execs its arguments. docs/production.md: medium confidence, not verified
+# against the 24.10 image's own script.
+ENTRYPOINT ["/opt/nvidia/nvidia_entrypoint.sh", "/opt/bls/scripts/container-serve.sh"]
 
 # -- 3. The test image: the server image plus the suite's dependencies -------------------------
 # `make test-container` runs it; the production image above carries no test tooling.
@@ -69,6 +77,7 @@ COPY tests tests
 RUN (command -v curl >/dev/null || (apt-get update && apt-get install -y --no-install-recommends curl \
       && rm -rf /var/lib/apt/lists/*)) \
  && python3 -m pip install --index-url https://download.pytorch.org/whl/cpu torch==2.13.0 \
- && python3 -m pip install '.[container-test]'
+ && python3 -m pip install '.[container-test]' \
+ && python3 scripts/check_image.py --test
 USER 10001:10001
-ENTRYPOINT ["/opt/bls/scripts/container-test.sh"]
+ENTRYPOINT ["/opt/nvidia/nvidia_entrypoint.sh", "/opt/bls/scripts/container-test.sh"]

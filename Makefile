@@ -23,8 +23,17 @@ IMAGE            ?= triton-bls-pipelines:24.10
 TEST_IMAGE       ?= triton-bls-pipelines-test:24.10
 BLS_PROFILE      ?= gpu
 GPUS             ?= all
+# /dev/shm (docker run --shm-size), by the rule of docs/operations.md ("Shared memory";
+# `python -m tritonlocal.shm REPO...` computes it): the server needs 128 MiB at start (1g leaves
+# room to grow; 2g with the logits tagger), the test container, which also serves the test-only
+# models, 6.2 GiB. tests/unit/test_container.py checks both against the rule.
 SHM_SIZE         ?= 1g
+TEST_SHM_SIZE    ?= 8g
 PUBLISH_HOST     ?= 127.0.0.1
+# Engine caches (Docker volumes): one for the served container, another for the test container,
+# so a test run never shares its cache with a server (each container renders its own repository).
+CACHE_VOLUME     ?= bls-cache
+TEST_CACHE_VOLUME ?= bls-test-cache
 
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
@@ -38,7 +47,7 @@ help: ## Show this help
 	@echo "  make bench-<experiment>  one experiment: $(BENCH_EXPERIMENTS)"
 	@echo "  Variables: HTTP_PORT GRPC_PORT METRICS_PORT MODEL_REPOSITORY MODEL_SIZE=small|full PYTEST_ARGS SOAK_ARGS"
 	@echo "  Backend:   TRITON_SOURCES=$(TRITON_SOURCES) ORT_HEADERS=$(ORT_HEADERS) BACKEND_CACHE=$(BACKEND_CACHE)"
-	@echo "  Container: IMAGE TEST_IMAGE BLS_PROFILE=portable|gpu|gpu-ort-trt|gpu-trt GPUS SHM_SIZE PUBLISH_HOST"
+	@echo "  Container: IMAGE TEST_IMAGE BLS_PROFILE=portable|gpu|gpu-ort-trt|gpu-trt GPUS SHM_SIZE TEST_SHM_SIZE PUBLISH_HOST CACHE_VOLUME TEST_CACHE_VOLUME"
 
 $(STAMP): pyproject.toml scripts/install_system_deps.sh scripts/install_perf_analyzer.py
 	scripts/install_system_deps.sh $(PYTHON)
@@ -83,17 +92,17 @@ docker-build: ## Build the NGC-based server image and its test image (Docker; no
 	docker build --target test -t $(TEST_IMAGE) .
 
 # The repository is mounted read-only over the image's copy, with its full-size models; engines
-# and rendered profiles persist in the bls-cache volume; ports are published on $(PUBLISH_HOST).
+# persist in the $(CACHE_VOLUME) volume; ports are published on $(PUBLISH_HOST).
 docker-run: MODEL_SIZE = full
 docker-run: models ## Serve in the container on GPUs (BLS_PROFILE, SHM_SIZE, PUBLISH_HOST)
 	docker run --rm -it --gpus $(GPUS) --shm-size=$(SHM_SIZE) --security-opt=no-new-privileges \
 	    -p $(PUBLISH_HOST):8000:8000 -p $(PUBLISH_HOST):8001:8001 -p $(PUBLISH_HOST):8002:8002 \
-	    -e BLS_PROFILE=$(BLS_PROFILE) -v bls-cache:/var/cache/bls \
+	    -e BLS_PROFILE=$(BLS_PROFILE) -v $(CACHE_VOLUME):/var/cache/bls \
 	    -v $(CURDIR)/$(MODEL_REPOSITORY):/opt/bls/model_repository:ro $(IMAGE)
 
 test-container: ## Run the test suite inside the test image against its own server (GPU host)
-	docker run --rm --gpus $(GPUS) --shm-size=$(SHM_SIZE) --security-opt=no-new-privileges \
-	    -e BLS_PROFILE=$(BLS_PROFILE) -v bls-cache:/var/cache/bls $(TEST_IMAGE) $(PYTEST_ARGS)
+	docker run --rm --gpus $(GPUS) --shm-size=$(TEST_SHM_SIZE) --security-opt=no-new-privileges \
+	    -e BLS_PROFILE=$(BLS_PROFILE) -v $(TEST_CACHE_VOLUME):/var/cache/bls $(TEST_IMAGE) $(PYTEST_ARGS)
 
 clean: ## Remove generated models, logs and caches (keeps .venv)
 	rm -rf .triton .pytest_cache $(MODEL_REPOSITORY)/*/[0-9]*/model.onnx $(MODEL_REPOSITORY)/.export-stamp.json

@@ -107,6 +107,14 @@ def build_variants(target: Path, repository: Path) -> Path:
     return write_variants(target, repository)
 
 
+def build_test_repository(target: Path, repository: Path) -> Path:
+    """What the test suite serves beside ``repository``, in ``target`` (a fresh directory): the
+    fault models, the test variants and the benchmark variants (tests/conftest.py,
+    scripts/container-test.sh)."""
+    variants.build(target, repository)
+    return write_variants(target, repository)
+
+
 def write_variants(target: Path, repository: Path) -> Path:
     for spec, base in variant_specs(repository):
         if spec.backend == "onnxruntime":

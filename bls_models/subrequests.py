@@ -180,6 +180,19 @@ class SubRequests:
             self.loop.call_soon(_forget_cancel_answer, job)
         return job.cancelled
 
+    def _output_memory(self, on_device: bool) -> dict:
+        """Where a sub-response's outputs are asked for. Pass-through outputs kept on the GPU:
+        no preference, which in r24.10 means the memory the stage's instance produced them in,
+        its own GPU (python_backend request_executor.cc, ResponseAlloc: the backend's preferred
+        type and device id; the onnxruntime backend prefers its instance's GPU). Naming a device
+        instead would put every output on that one GPU, and an orchestrator cannot name the
+        right one: the scheduler picks the stage's instance, on any GPU, and a KIND_CPU
+        instance's ``model_instance_device_id`` is always 0 (core backend_model.cc). Everything
+        else: CPU memory, where it becomes numpy."""
+        if on_device:
+            return {}
+        return {"preferred_memory": self.pb.PreferredMemory(self.pb.TRITONSERVER_MEMORY_CPU, 0)}
+
     async def _send(self, stage: str, inputs: dict, output_names: list[str],
                     reduce: Reduce | None, limit: float, request_id: str
                     ) -> tuple[Outcome | None, bool]:
@@ -199,8 +212,7 @@ class SubRequests:
                 requested_output_names=list(output_names),
                 request_id=request_id,
                 timeout=max(1, int(limit * 1e6)),  # µs; applies in the sub-model's queue
-                preferred_memory=pb.PreferredMemory(
-                    pb.TRITONSERVER_MEMORY_GPU if on_device else pb.TRITONSERVER_MEMORY_CPU, 0),
+                **self._output_memory(on_device),
             )
         handoff = [request]  # the thread takes the only reference
         del request

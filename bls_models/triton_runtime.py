@@ -35,10 +35,12 @@ Design (docs/orchestrator.md has the measurements behind it):
   counted as abandoned and its result dropped. One whose deadline passed before a thread picked
   it up is never sent.
 * **GPU tensors** (``gpu_tensors: "on"``). Outputs that only flow into other stages (a
-  stage's ``pass_through`` in its ``PipelineDef``, e.g. preprocess's PIXELS) are requested in GPU
-  memory and kept as a ``DeviceTensor``: a DLPack-made ``pb_utils.Tensor`` that owns the sub-model's GPU buffer, never
-  ``as_numpy()``-ed. It becomes the next stages' input by DLPack again, so the 602 KB per image
-  never crosses to the host. Every other output is copied to numpy as before, and so is a
+  stage's ``pass_through`` in its ``PipelineDef``, e.g. preprocess's PIXELS) are left in the
+  memory the stage's instance produced them in (its GPU, whichever it is) and kept as a
+  ``DeviceTensor``: a DLPack-made ``pb_utils.Tensor`` that owns that GPU buffer, never
+  ``as_numpy()``-ed. It becomes the next stages' input by DLPack again; Triton gives each next
+  stage its own device-to-device copy, so the 602 KB per image never crosses to the host. Every
+  other output is requested in CPU memory and copied to numpy as before, and so is a
   pass-through output that arrives in CPU memory (CPU-only host): the fallback. Device tensors
   are released under the lock when their request is answered, or when an abandoned sub-request
   that made them finishes.

@@ -24,6 +24,7 @@ import hashlib
 import json
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -128,11 +129,28 @@ def build(entry: dict, cache: Path, workspace: int, log) -> Path:
     engine = builder.build_serialized_network(network, config)
     if engine is None:
         raise SystemExit(f"{entry['model']}: the engine build failed (see TensorRT's log above)")
-    cache.mkdir(parents=True, exist_ok=True)
-    partial = cached.with_suffix(".partial")
-    partial.write_bytes(bytes(engine))
-    partial.rename(cached)  # a crash mid-write never leaves a truncated engine in the cache
+    publish(cached, bytes(engine))
     return cached
+
+
+def publish(target: Path, data: bytes) -> None:
+    """Write ``data`` to ``target`` through a temporary file of its own beside it, then rename it
+    over ``target`` (atomic within a file system). A crash mid-write never leaves a truncated
+    engine, and containers that share the cache and build the same engine at once never write
+    the same file: each renames its own complete copy, the last one wins, and both are the same
+    engine (the name is its key)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, temporary = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".partial")
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.chmod(temporary, 0o644)  # mkstemp's 0600 would hide it from another user's container
+        os.replace(temporary, target)
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise
 
 
 def main(argv: list[str] | None = None) -> int:

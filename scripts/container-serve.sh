@@ -9,6 +9,11 @@
 #   BLS_PROFILE=gpu-ort-trt  + ONNX Runtime's TensorRT accelerator (FP16, engines cached)
 #   BLS_PROFILE=gpu-trt    + native TensorRT engines for the CNN stages, built here on first start
 #   BLS_DRY_RUN=1          render and check everything, print the tritonserver command, exit
+#   BLS_RUN_DIR=DIR        where this container renders its repository (default $TMPDIR or /tmp)
+#
+# Each start renders the profile into a directory of its own (repository-<profile>.XXXXXX under
+# $BLS_RUN_DIR): $BLS_CACHE may be a volume several containers share (engines are worth sharing),
+# and a rendering there would be deleted and rewritten under another container's server.
 #
 # `container-serve.sh --print-repository` prepares the profile and prints its repository's path
 # instead of serving (scripts/container-test.sh serves it with the test-only models beside it).
@@ -19,12 +24,14 @@ cache="${BLS_CACHE:-/var/cache/bls}"
 profile="${BLS_PROFILE:-gpu}"
 source_repo="${BLS_MODEL_REPOSITORY:-$home/model_repository}"
 dry_run="${BLS_DRY_RUN:-0}"
+run_dir="${BLS_RUN_DIR:-${TMPDIR:-/tmp}}"
 
 case "$profile" in
   portable)
     repo="$source_repo" ;;
   gpu|gpu-ort-trt|gpu-trt)
-    repo="$cache/repository-$profile"
+    mkdir -p "$run_dir"
+    repo="$(mktemp -d "$run_dir/repository-$profile.XXXXXX")"
     python3 -m modelgen.profiles --profile "$profile" --source "$source_repo" --out "$repo" --cache "$cache" >&2
     if [ "$profile" = gpu-trt ]; then
       if [ "$dry_run" = 1 ]; then

@@ -17,12 +17,10 @@ import sys
 from pathlib import Path
 
 from bench import experiments
-from modelgen import variants
 
 real, target = Path(sys.argv[1]), Path(sys.argv[2])
 target.mkdir(parents=True)
-variants.build(target, real)
-experiments.write_variants(target, real)
+experiments.build_test_repository(target, real)
 PY
 
 mapfile -t flags < <(python3 -m tritonlocal.flags --model-repository "$repo")

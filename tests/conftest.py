@@ -64,10 +64,8 @@ def fault_repository(repository, tmp_path_factory) -> Path:
     if EXTERNAL:
         return Path(os.environ["TRITON_EXTERNAL_FAULT_REPOSITORY"])
     from bench import experiments
-    from modelgen import variants
 
-    target = variants.build(tmp_path_factory.mktemp("fault_repository"), repository)
-    return experiments.write_variants(target, repository)
+    return experiments.build_test_repository(tmp_path_factory.mktemp("fault_repository"), repository)
 
 
 @pytest.fixture(scope="session")

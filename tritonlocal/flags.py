@@ -24,6 +24,15 @@ SHM_GROWTH_BYTES = 16 * MIB
 # calls to a slow model (docs/reliability.md). tests/unit/test_configs.py checks.
 PYTHON_THREAD_POOL = 96
 CONTAINER_REPOSITORY = "/opt/bls/model_repository"
+# Triton's CUDA memory pool per GPU (--cuda-memory-pool-byte-size; its default is 64 MiB). The GPU
+# tensors of BLS requests and responses (gpu_tensors on: PIXELS, 9.6 MB at batch 16) and the
+# onnxruntime backend's batch buffers come from it; past it, every tensor falls back to
+# cudaMalloc/cudaFree and a CUDA IPC handle of its own. The arithmetic is in docs/production.md
+# ("The CUDA memory pool"); modelgen.profiles.cuda_pool_bytes computes it and a test keeps the two
+# equal. One flag per GPU id: Triton creates pools only for the GPUs it finds (core r24.10
+# cuda_memory_manager.cc), so ids past the host's last GPU are ignored.
+CUDA_MEMORY_POOL_BYTES = 256 * MIB
+CUDA_POOL_GPUS = 8
 
 
 def serving_flags(shm_default_bytes: int = SHM_DEFAULT_BYTES,
@@ -46,10 +55,13 @@ def serving_flags(shm_default_bytes: int = SHM_DEFAULT_BYTES,
 
 def container_flags(model_repository: str = CONTAINER_REPOSITORY) -> list[str]:
     """The NGC container's server: all interfaces inside the container (publish the ports to
-    127.0.0.1 on the host unless told otherwise), GPU metrics on."""
+    127.0.0.1 on the host unless told otherwise), GPU metrics on, a CUDA memory pool per GPU
+    sized for the GPU profiles."""
     return [f"--model-repository={model_repository}", *serving_flags(),
             "--http-port=8000", "--grpc-port=8001", "--metrics-port=8002",
-            "--allow-metrics=true", "--allow-gpu-metrics=true", "--allow-cpu-metrics=true"]
+            "--allow-metrics=true", "--allow-gpu-metrics=true", "--allow-cpu-metrics=true",
+            *(f"--cuda-memory-pool-byte-size={gpu}:{CUDA_MEMORY_POOL_BYTES}"
+              for gpu in range(CUDA_POOL_GPUS))]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -124,6 +124,9 @@ class FakePbUtils:
         self.metrics: dict[tuple, float] = {}   # (family, *sorted labels) -> value
         self.log: list[str] = []
         self.calls: list[tuple[str, str]] = []  # (model, request id) of every sub-request sent
+        # (model, preferred_memory) of every sub-request sent; None: not given (Triton's default,
+        # the producing instance's memory)
+        self.output_memory: list[tuple[str, tuple | None]] = []
         fake = self
 
         class MetricFamily:
@@ -147,10 +150,11 @@ class FakePbUtils:
                          timeout=0, preferred_memory=None, **_) -> None:
                 self.model, self.inputs = model_name, {t.name(): t.as_numpy() for t in inputs}
                 self.outputs, self.request_id = list(requested_output_names), request_id
-                self.timeout = timeout
+                self.timeout, self.preferred_memory = timeout, preferred_memory
 
             def exec(self):
                 fake.calls.append((self.model, self.request_id))
+                fake.output_memory.append((self.model, self.preferred_memory))
                 function = fake.models.get(self.model)
                 if function is None:
                     return InferenceResponse(error=TritonError(

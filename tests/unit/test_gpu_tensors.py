@@ -111,3 +111,60 @@ def test_the_placement_follows_the_stage_models_instance_kind(repository, tmp_pa
     assert stage_kinds([repository], stages)["preprocess"] == {"KIND_AUTO"}
     profiles.write("gpu", repository, tmp_path / "gpu")
     assert stage_kinds([tmp_path / "gpu"], stages) == {s: {"KIND_GPU"} for s in stages}
+
+
+def gpu_orchestrator(pb, repository, tmp_path, device_id: str, **parameters: str):
+    """``pipeline`` as the GPU profile renders it (preprocess KIND_GPU, gpu_tensors on), run by
+    the runtime over a fake pb_utils, as an instance with ``device_id``."""
+    import json
+
+    from bls_models.triton_runtime import Orchestrator
+    from modelgen import profiles
+
+    rendered = tmp_path / "gpu"
+    profiles.write("gpu", repository, rendered)
+    config = profiles.profile_config(S.PIPELINE, "gpu")
+    config["parameters"].update({k: {"string_value": v}
+                                 for k, v in {"coalesce": "off", **parameters}.items()})
+    return Orchestrator(pb, {"model_name": "pipeline", "model_config": json.dumps(config),
+                             "model_repository": str(rendered / "pipeline"),
+                             "model_instance_kind": "CPU",
+                             "model_instance_device_id": device_id}, "pipeline")
+
+
+@pytest.mark.parametrize("device_id", ["0", "3"])
+def test_kept_outputs_stay_on_the_gpu_that_produced_them_not_on_gpu_0(made, repository, tmp_path,
+                                                                       device_id):
+    """On a multi-GPU host the scheduler runs preprocess on any GPU's instance. The sub-request
+    names no device for PIXELS, so Triton leaves it in that instance's own GPU memory; naming
+    GPU 0 (as before) put every image's PIXELS on GPU 0, with a device-to-device copy from the
+    others. The orchestrator's own device id cannot help: KIND_CPU instances all report 0."""
+    from tests.unit.fake_pb_utils import FakePbUtils, Request
+    from tests.unit.test_runtime import image, sub_models, wait_answered
+
+    pb = FakePbUtils(sub_models())
+    made.append(orchestrator := gpu_orchestrator(pb, repository, tmp_path, device_id))
+    assert orchestrator.pass_through == {"preprocess": ("PIXELS",)}
+    request = Request(image(2), request_id="r")
+    orchestrator.execute([request])
+    wait_answered([request])
+    (response,) = request.sender.sent
+    assert not response.has_error(), response.error().message()
+    memory = dict(pb.output_memory)
+    assert memory["preprocess"] is None  # Triton's default: where the producing instance put it
+    cpu = pb.PreferredMemory(pb.TRITONSERVER_MEMORY_CPU, 0)
+    assert memory["classifier"] == memory["embedder"] == cpu  # top-5 and the answer need host memory
+
+
+def test_without_gpu_tensors_every_output_is_asked_for_in_cpu_memory(made, repository, tmp_path):
+    from tests.unit.fake_pb_utils import FakePbUtils, Request
+    from tests.unit.test_runtime import image, sub_models, wait_answered
+
+    pb = FakePbUtils(sub_models())
+    made.append(orchestrator := gpu_orchestrator(pb, repository, tmp_path, "0", gpu_tensors="off"))
+    request = Request(image(), request_id="r")
+    orchestrator.execute([request])
+    wait_answered([request])
+    cpu = pb.PreferredMemory(pb.TRITONSERVER_MEMORY_CPU, 0)
+    assert {model: memory for model, memory in pb.output_memory} == {
+        "preprocess": cpu, "classifier": cpu, "embedder": cpu}
