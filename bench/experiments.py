@@ -542,7 +542,7 @@ def fanout(ctx: Context) -> Result:
 # -- 3. orchestrator concurrency designs ----------------------------------------------------------
 # Head-of-line rounds per design, interleaved: one round is a few hundred milliseconds and moves by
 # 2x between runs on this shared host.
-HOL_ROUNDS = 3
+HOL_ROUNDS = 6
 
 
 def concurrency_designs(ctx: Context) -> Result:
