@@ -119,6 +119,7 @@ GPU_RUNTIME_PACKAGES = (
     "nvidia-curand==10.4.0.35",
     "nvidia-cudnn-cu13==9.14.0.64",
     "tensorrt-cu13-libs==10.16.1.11",
+    "tensorrt-cu13-bindings==10.16.1.11",  # scripts/build_trt_engines.py (gpu-trt, make gpu-check)
 )
 # CUDA 13 dropped compute capability < 7.5; backend r24.10 hard-codes 5.3 to 9.0 for its one CUDA
 # kernel (kernel_library_new, the input gatherer). The project include below runs after the
@@ -289,11 +290,15 @@ def gpu_build_packages() -> tuple[str, ...]:
     return (f"onnxruntime-gpu=={cpu_onnxruntime_version()}", *GPU_BUILD_PACKAGES)
 
 
+def _pins_key(packages: tuple[str, ...]) -> str:
+    return hashlib.sha256("\n".join(sorted(packages)).encode()).hexdigest()[:12]
+
+
 def pip_install(packages: tuple[str, ...], cache: Path, kind: str) -> Path:
     """``<cache>/packages/<kind>-<hash of the pins>``: ``packages`` installed there once with pip
     (``--no-deps --target``: exactly these pins, nothing of the venv touched; onnxruntime-gpu
     and the venv's onnxruntime would otherwise overwrite each other's files)."""
-    key = hashlib.sha256("\n".join(sorted(packages)).encode()).hexdigest()[:12]
+    key = _pins_key(packages)
     target = cache / "packages" / f"{kind}-{key}"
     if (target / ".installed").is_file():
         return target
@@ -347,11 +352,16 @@ def install_gpu_runtime(cache: Path) -> Path:
     return pip_install(GPU_RUNTIME_PACKAGES, cache, "runtime")
 
 
+def gpu_runtime(cache: Path | None = None) -> Path | None:
+    """Where ``install_gpu_runtime`` installed the current pins, or None."""
+    root = Path(cache or default_cache(gpu=True)) / "packages" / f"runtime-{_pins_key(GPU_RUNTIME_PACKAGES)}"
+    return root if (root / ".installed").is_file() else None
+
+
 def gpu_runtime_library_dirs(cache: Path | None = None) -> list[Path]:
     """The directories of the installed GPU runtime libraries (``install_gpu_runtime``), or []."""
-    key = hashlib.sha256("\n".join(sorted(GPU_RUNTIME_PACKAGES)).encode()).hexdigest()[:12]
-    root = Path(cache or default_cache(gpu=True)) / "packages" / f"runtime-{key}"
-    if not (root / ".installed").is_file():
+    root = gpu_runtime(cache)
+    if root is None:
         return []
     return sorted({path.parent for path in root.glob("**/lib*.so*") if path.is_file()})
 

@@ -78,6 +78,9 @@ class ServerOptions:
     # (`make backend-gpu`) with its CUDA libraries on LD_LIBRARY_PATH, GPU metrics, pinned memory
     # and the container's CUDA memory pools. False: the CPU server, as always.
     gpu: bool = False
+    # More backends for the backend directory, name -> a directory holding one (e.g. Triton's
+    # tensorrt backend for gpu-trt, which the wheel does not ship): copied in like onnxruntime.
+    extra_backends: dict[str, Path] = field(default_factory=dict)
 
 
 def on_free_ports(repository: Path, log_file: Path | None = None, **options) -> ServerOptions:
@@ -320,6 +323,8 @@ class TritonServer:
         shutil.copy2(stub, python_dir / stub.name)
         if onnxruntime is not None:
             shutil.copytree(onnxruntime, target / "onnxruntime")
+        for name, directory in self.options.extra_backends.items():
+            shutil.copytree(directory, target / name)
         return target
 
     def _wait_ready(self, repository: Path) -> None:

@@ -118,9 +118,7 @@ def test_a_gpu_server_without_the_runtime_libraries_says_how_to_install_them(tmp
     with pytest.raises(LauncherError, match=r"make backend-gpu GPU_RUNTIME=1"):
         launcher.gpu_library_path("/x")
     # The directory is keyed by the pins: a stand-in installed under that key.
-    key = backend_build.hashlib.sha256("\n".join(sorted(backend_build.GPU_RUNTIME_PACKAGES))
-                                       .encode()).hexdigest()[:12]
-    root = tmp_path / "packages" / f"runtime-{key}"
+    root = tmp_path / "packages" / f"runtime-{backend_build._pins_key(backend_build.GPU_RUNTIME_PACKAGES)}"
     (root / "nvidia" / "cudnn" / "lib").mkdir(parents=True)
     (root / "nvidia" / "cudnn" / "lib" / "libcudnn.so.9").write_bytes(b"")
     (root / ".installed").write_text("")
