@@ -205,6 +205,7 @@ class Check:
         self.result = experiments.Result("gpu_check", f"GPU check on {host.describe()}")
         self.failures: list[str] = []
         self.skipped: list[str] = []
+        self._cpu, self._images, self._tags = None, [], {}
         self.started = time.monotonic()
 
     def line(self, text: str) -> None:
@@ -293,31 +294,28 @@ class Check:
         import numpy as np
         import tritonclient.grpc as grpcclient
 
-        from bench import clients
         from bls_models import spec as S
         from modelgen import nets
 
         tolerance = TOLERANCES[profile]
-        cpu = clients.InProcess(self.source)
+        cpu = self.cpu_reference()
         client = grpcclient.InferenceServerClient(server.grpc_url)
         images = nets.synthetic_images(IMAGES, seed=14).numpy()
+        expected = self.expected_images(cpu, images)
         for model in ("pipeline", GPU_TENSORS_OFF, "pipeline_ensemble"):
             problems, flips, worst, closest = [], 0, 0.0, 1.0
             for batch in (1, 8):
                 for start in range(0, IMAGES, batch):
-                    chunk = images[start:start + batch]
-                    result = infer(client, model, "IMAGE", chunk, "UINT8",
+                    result = infer(client, model, "IMAGE", images[start:start + batch], "UINT8",
                                    ("CLASS_IDS", "CLASS_PROBS", "EMBEDDING"))
-                    for row, image in enumerate(chunk):
-                        (pixels,) = cpu.sessions["preprocess"].run(None, {"IMAGE": image[None]})
-                        (logits,) = cpu.sessions["classifier"].run(None, {"PIXELS": pixels})
-                        (embedding,) = cpu.sessions["embedder"].run(None, {"PIXELS": pixels})
+                    for row in range(batch):
+                        probs, embedding = expected[start + row]
                         found, flipped, difference = compare_top_k(
-                            softmax(logits[0]), result.as_numpy("CLASS_IDS")[row],
+                            probs, result.as_numpy("CLASS_IDS")[row],
                             result.as_numpy("CLASS_PROBS")[row], tolerance)
                         problems += found
                         flips, worst = flips + flipped, max(worst, difference)
-                        closest = min(closest, cosine(result.as_numpy("EMBEDDING")[row], embedding[0]))
+                        closest = min(closest, cosine(result.as_numpy("EMBEDDING")[row], embedding))
             if closest < tolerance.embedding:
                 problems.append(f"embedding cosine {closest:.5f} < {tolerance.embedding:g}")
             self.verdict(profile, f"correctness {model}", problems,
@@ -328,13 +326,36 @@ class Check:
         result = infer(client, "tag_pipeline", "TOKENS", tokens, "INT64", ("TAGS", "TAG_PROBS"))
         problems, flips, worst = [], 0, 0.0
         for row in range(SEQUENCES):
-            reference = softmax(cpu.tagger(tokens[row:row + 1])[0])
+            reference = self.expected_tags(cpu, tokens, row)
             found, flipped, difference = compare_tags(reference, result.as_numpy("TAGS")[row],
                                                       result.as_numpy("TAG_PROBS")[row], tolerance)
             problems, flips, worst = problems + found, flips + flipped, max(worst, difference)
         self.verdict(profile, "correctness tag_pipeline", problems,
                      f"{SEQUENCES} x {S.TAGGER_SEQ_LEN} tokens; largest probability difference "
                      f"{worst:.2g}, {flips} near-tie flip(s)")
+
+    def cpu_reference(self):
+        """CPU ONNX Runtime on the same ONNX files (bench.clients.InProcess), made once."""
+        if self._cpu is None:
+            from bench import clients
+
+            self._cpu = clients.InProcess(self.source)
+        return self._cpu
+
+    def expected_images(self, cpu, images) -> list:
+        """(CPU softmax over every class, CPU embedding) per image: the same for every profile."""
+        if not self._images:
+            for image in images:
+                (pixels,) = cpu.sessions["preprocess"].run(None, {"IMAGE": image[None]})
+                (logits,) = cpu.sessions["classifier"].run(None, {"PIXELS": pixels})
+                (embedding,) = cpu.sessions["embedder"].run(None, {"PIXELS": pixels})
+                self._images.append((softmax(logits[0]), embedding[0]))
+        return self._images
+
+    def expected_tags(self, cpu, tokens, row: int):
+        if row not in self._tags:
+            self._tags[row] = softmax(cpu.tagger(tokens[row:row + 1])[0])
+        return self._tags[row]
 
     def gpu_tensors(self, server) -> None:
         from bench import clients
