@@ -194,8 +194,28 @@ class TritonServer:
                                            self._run_dir / "backends")
         self.log_file = Path(opts.log_file) if opts.log_file else self._run_dir / "tritonserver.log"
         self.log_file.parent.mkdir(parents=True, exist_ok=True)
-        command = [
-            str(install.server),
+        command = self.command(install.server, repository, backends, restrictions)
+        with open(self.log_file, "ab") as log:
+            log.write(f"# {' '.join(command)}\n".encode())
+            log.flush()
+            self.process = _SPAWNER.submit(
+                subprocess.Popen, command, env=env, stdin=subprocess.DEVNULL, stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,  # own process group: stop() can reach every stub
+                preexec_fn=_die_with_parent,
+            ).result()
+        try:
+            self._wait_ready(repository)
+        except BaseException:
+            self.stop()
+            raise
+
+    def command(self, server: Path, repository: Path, backends: Path,
+                restrictions: list[str]) -> list[str]:
+        """The tritonserver command line for these options."""
+        opts = self.options
+        return [
+            str(server),
             f"--model-repository={repository}",
             f"--backend-directory={backends}",
             f"--http-address={opts.host}", f"--http-port={opts.http_port}",
@@ -215,20 +235,6 @@ class TritonServer:
             *restrictions,
             *opts.extra_args,
         ]
-        with open(self.log_file, "ab") as log:
-            log.write(f"# {' '.join(command)}\n".encode())
-            log.flush()
-            self.process = _SPAWNER.submit(
-                subprocess.Popen, command, env=env, stdin=subprocess.DEVNULL, stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,  # own process group: stop() can reach every stub
-                preexec_fn=_die_with_parent,
-            ).result()
-        try:
-            self._wait_ready(repository)
-        except BaseException:
-            self.stop()
-            raise
 
     def stop(self, grace: float | None = None) -> int | None:
         """SIGINT, wait up to ``grace`` (default ``stop_grace``), then SIGKILL the process group.

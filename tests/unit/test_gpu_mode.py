@@ -169,3 +169,38 @@ def test_make_serve_gpu_on_a_cpu_host_stops_in_a_second_with_one_line():
 def test_the_container_targets_keep_gpu_as_their_default_profile():
     plan = make("-n", "docker-run").stdout
     assert "-e BLS_PROFILE=gpu " in plan
+
+
+def server_command(**options) -> list[str]:
+    server = launcher.TritonServer(launcher.ServerOptions(ROOT / "model_repository", **options))
+    return server.command(Path("/bin/tritonserver"), ROOT / "model_repository", Path("/b"), [])
+
+
+def test_the_cpu_server_command_is_as_before():
+    command = server_command()
+    assert "--pinned-memory-pool-byte-size=0" in command and "--allow-gpu-metrics=false" in command
+    assert not [a for a in command if a.startswith("--cuda-memory-pool-byte-size")]
+
+
+def test_a_gpu_server_gets_gpu_metrics_pinned_memory_and_the_cuda_pools():
+    command = server_command(gpu=True)
+    assert "--allow-gpu-metrics=true" in command
+    assert "--pinned-memory-pool-byte-size=0" not in command
+    assert [a for a in command if a.startswith("--cuda-memory-pool-")] == flags.cuda_pool_flags()
+
+
+def test_extra_backends_are_copied_into_the_backend_directory(tmp_path):
+    tensorrt = tmp_path / "tensorrt"
+    tensorrt.mkdir()
+    (tensorrt / "libtriton_tensorrt.so").write_bytes(b"backend")
+    install = SimpleNamespace(python_backend=tmp_path / "python_backend")
+    install.python_backend.mkdir()
+    (install.python_backend / "libtriton_python.so").write_bytes(b"python")
+    stub = tmp_path / "triton_python_backend_stub"
+    stub.write_bytes(b"stub")
+    server = launcher.TritonServer(launcher.ServerOptions(ROOT / "model_repository",
+                                                          extra_backends={"tensorrt": tensorrt}))
+    target = server._assemble_backends(install, stub, None, tmp_path / "backends")
+    assert (target / "tensorrt" / "libtriton_tensorrt.so").read_bytes() == b"backend"
+    assert sorted(p.name for p in (target / "python").iterdir()) == [
+        "libtriton_python.so", "triton_python_backend_stub"]
