@@ -322,15 +322,17 @@ def pip_install(packages: tuple[str, ...], cache: Path, kind: str) -> Path:
 
 
 def cuda_toolkit(packages: Path) -> Path:
-    """The CUDA 13 tree the wheels installed, completed where CMake expects a toolkit's layout:
-    ``libcudart.so`` (FindCUDAToolkit looks for that name; the wheel ships the SONAME only)."""
+    """The CUDA 13 tree the wheels installed, completed where the tools expect a toolkit's layout:
+    ``lib/libcudart.so`` (FindCUDAToolkit looks for that name; the wheel ships the SONAME only)
+    and ``lib64`` (nvcc links its test programs from ``lib64``, per its nvcc.profile; the wheels
+    install ``lib``)."""
     root = packages / GPU_CUDA_ROOT
     for needed in ("bin/nvcc", "nvvm/bin/cicc", "include/cuda_runtime_api.h", "lib/libcudart.so.13"):
         if not (root / needed).exists():
             raise BuildError(f"the CUDA wheels in {packages} lack {GPU_CUDA_ROOT}/{needed}")
-    link = root / "lib" / "libcudart.so"
-    if not link.exists():
-        link.symlink_to("libcudart.so.13")
+    for link, target in ((root / "lib" / "libcudart.so", "libcudart.so.13"), (root / "lib64", "lib")):
+        if not link.is_symlink() and not link.exists():
+            link.symlink_to(target)
     return root
 
 

@@ -260,6 +260,12 @@ def test_cuda_13_architectures_replace_backend_r24_10s_list_after_it_is_set(tmp_
         assert 'set_target_properties(kernel_library_new PROPERTIES CUDA_ARCHITECTURES' in cmake
 
 
+def test_the_cuda_tree_gets_the_names_cmake_and_nvcc_look_for(gpu_inputs):
+    assert (gpu_inputs.cuda / "lib" / "libcudart.so").resolve().name == "libcudart.so.13"
+    assert (gpu_inputs.cuda / "lib64").resolve() == (gpu_inputs.cuda / "lib").resolve()
+    assert B.cuda_toolkit(gpu_inputs.cuda.parent.parent) == gpu_inputs.cuda  # idempotent
+
+
 def test_a_cuda_tree_without_nvcc_is_named(tmp_path):
     (tmp_path / B.GPU_CUDA_ROOT / "lib").mkdir(parents=True)
     with pytest.raises(B.BuildError, match=r"lack nvidia/cu13/bin/nvcc"):
