@@ -88,17 +88,18 @@ models: $(STAMP) ## Export the ONNX models into $(MODEL_REPOSITORY) (skipped whe
 configs: $(STAMP) ## Regenerate every config.pbtxt, the orchestrators' model.py and the docs' parameter table from bls_models/spec.py
 	$(PY) -m modelgen.configs --repository $(MODEL_REPOSITORY)
 
-# The CPU path is exactly as before; a GPU profile checks the host first, then builds the GPU
-# backend with its runtime libraries.
-ifeq ($(SERVE_PROFILE),portable)
-SERVE_NEEDS := models backend
-else
-SERVE_NEEDS := gpu-host models backend-gpu
-serve: GPU_RUNTIME = 1
-endif
-serve: $(SERVE_NEEDS) ## Serve $(MODEL_REPOSITORY) on 127.0.0.1 in the foreground (Ctrl-C stops it; BLS_PROFILE=gpu on a GPU host)
-	$(PY) -m tritonlocal serve --model-repository $(MODEL_REPOSITORY) $(if $(filter-out portable,$(SERVE_PROFILE)),--profile $(SERVE_PROFILE)) \
+SERVE = $(PY) -m tritonlocal serve --model-repository $(MODEL_REPOSITORY) \
 	    --http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT)
+ifeq ($(SERVE_PROFILE),portable)
+serve: models backend ## Serve $(MODEL_REPOSITORY) on 127.0.0.1 in the foreground (Ctrl-C stops it; BLS_PROFILE=gpu on a GPU host)
+	$(SERVE)
+else
+# A GPU profile: the host check first (a second, one line), then, in this order even under -j,
+# the models and the GPU backend with its runtime libraries.
+serve: gpu-host
+	$(MAKE) --no-print-directory models backend-gpu GPU_RUNTIME=1
+	$(SERVE) --profile $(SERVE_PROFILE)
+endif
 
 test: models backend ## Run the whole test suite (unit + live server) — what CI runs
 	$(PY) -m pytest $(PYTEST_ARGS)

@@ -22,7 +22,8 @@ STRICT = G.TOLERANCES["gpu"]
 
 
 def run_make(*args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PATH": path_without_nvidia_smi()}
+    env = {**{k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL")},
+           "PATH": path_without_nvidia_smi()}
     return subprocess.run(["make", "--no-print-directory", f"PYTHON={sys.executable}", "gpu-check", *args],
                           cwd=ROOT, capture_output=True, text=True, env=env, timeout=120)
 

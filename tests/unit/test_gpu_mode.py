@@ -42,7 +42,8 @@ def path_without_nvidia_smi() -> str:
 
 
 def make(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    environment = {k: v for k, v in os.environ.items() if k != "BLS_PROFILE"}
+    environment = {k: v for k, v in os.environ.items()
+                   if k not in ("BLS_PROFILE", "MAKEFLAGS", "MFLAGS", "MAKELEVEL")}
     environment.update(PATH=path_without_nvidia_smi(), **(env or {}))
     return subprocess.run(["make", "--no-print-directory", f"PYTHON={sys.executable}", *args],
                           cwd=ROOT, capture_output=True, text=True, env=environment, timeout=120)
@@ -157,9 +158,10 @@ def test_make_serve_with_a_gpu_profile_checks_the_host_first_then_builds_for_gpu
     assert check < build < serve and "--profile gpu-ort-trt" in lines[serve]
 
 
-def test_make_serve_gpu_on_a_cpu_host_stops_in_a_second_with_one_line():
+@pytest.mark.parametrize("jobs", [[], ["-j4"]])
+def test_make_serve_gpu_on_a_cpu_host_stops_in_a_second_with_one_line(jobs):
     started = time.monotonic()
-    result = make("serve", "BLS_PROFILE=gpu")
+    result = make(*jobs, "serve", "BLS_PROFILE=gpu")
     assert result.returncode != 0 and time.monotonic() - started < 10
     errors = [line for line in result.stderr.splitlines() if not line.startswith("make:")]
     assert len(errors) == 1 and "needs an NVIDIA GPU" in errors[0], result.stderr
