@@ -228,7 +228,13 @@ class Check:
         report.started(gpu_build=True)
         with tempfile.TemporaryDirectory(prefix="gpu-check-") as tmp:
             for profile in self.profiles:
-                self.profile(profile, Path(tmp))
+                try:
+                    self.profile(profile, Path(tmp))
+                except Exception as error:  # noqa: BLE001 - one profile's failure is reported, the others still run
+                    message = str(error).strip().splitlines()
+                    self.verdict(profile, "run", [f"{type(error).__name__}: "
+                                                  f"{message[0] if message else ''}"],
+                                 f"stopped; server log {OUT / f'tritonserver-{profile}.log'}")
         self.line(f"- total: {time.monotonic() - self.started:.0f} s (budget {BUDGET_SECONDS} s)")
         if self.skipped:
             self.line("- **not checked**: " + "; ".join(self.skipped))

@@ -179,3 +179,22 @@ def test_a_run_writes_the_report_and_fails_on_any_failed_check(tmp_path, monkeyp
     assert "# GPU check" in text and "`gpu-ort-trt` start: ok" in text
     assert ("**FAILED**" in text) == failed
     assert (tmp_path / "gpu_check.csv").read_text().count("\n") == 1 + len(G.PROFILES)
+
+
+def test_a_profile_that_cannot_start_is_reported_and_the_others_still_run(tmp_path, monkeypatch):
+    from tritonlocal import gpu
+    from tritonlocal.runtime import LauncherError
+
+    monkeypatch.setattr(G, "OUT", tmp_path)
+    monkeypatch.setattr(report, "_STARTED", {})
+
+    def profile(self, name, tmp):
+        if name == "gpu":
+            raise LauncherError("tritonserver exited (1): model(s) failed to load\nmore")
+        self.verdict(name, "start", [], "ready in 1 s")
+
+    monkeypatch.setattr(G.Check, "profile", profile)
+    check = G.Check(gpu.Host("580.65.06", (gpu.Gpu(0, "NVIDIA L4", 23034),)), ROOT / "model_repository", None)
+    assert check.run() == 1
+    assert check.failures == ["gpu run: LauncherError: tritonserver exited (1): model(s) failed to load"]
+    assert "`gpu-trt` start: ok" in (tmp_path / "REPORT.md").read_text()
