@@ -18,9 +18,19 @@ TRITON_SOURCES   ?= $(wildcard ../shared/vendor/triton-r24.10)
 ORT_HEADERS      ?= $(wildcard ../shared/vendor/onnxruntime-headers)
 BACKEND_CACHE    ?= .triton/onnxruntime-backend
 export TRITONLOCAL_BACKEND_CACHE := $(abspath $(BACKEND_CACHE))
+# The GPU build of the same backend (`make backend-gpu`: onnxruntime-gpu, CUDA 13 from PyPI; it
+# compiles without a GPU). GPU_RUNTIME=1 also installs the libraries serving on GPUs needs.
+BACKEND_GPU_CACHE ?= .triton/onnxruntime-backend-gpu
+export TRITONLOCAL_BACKEND_GPU_CACHE := $(abspath $(BACKEND_GPU_CACHE))
+GPU_RUNTIME      ?=
+JOBS             ?=
 # The NGC container (GPU hosts with Docker and the NVIDIA container toolkit): docs/production.md
 IMAGE            ?= triton-bls-pipelines:24.10
 TEST_IMAGE       ?= triton-bls-pipelines-test:24.10
+# `make serve` serves the CPU profile (portable) unless BLS_PROFILE is given on the command line
+# or in the environment (gpu, gpu-ort-trt: the local GPU mode); the container targets default to
+# gpu. SERVE_PROFILE is what `make serve` serves.
+SERVE_PROFILE    := $(if $(filter command line environment%,$(origin BLS_PROFILE)),$(BLS_PROFILE),portable)
 BLS_PROFILE      ?= gpu
 GPUS             ?= all
 # /dev/shm (docker run --shm-size), by the rule of docs/operations.md ("Shared memory";
@@ -39,14 +49,15 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
 .DEFAULT_GOAL := help
-.PHONY: help venv backend models configs serve test test-unit bench soak clean docker-build docker-run test-container
+.PHONY: help venv backend backend-gpu gpu-host models configs serve test test-unit bench soak clean docker-build docker-run test-container gpu-check
 BENCH_EXPERIMENTS := ort_options orchestration coalescing fanout designs large_output clients tuning overload
 
 help: ## Show this help
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-15s %s\n", $$1, $$2}'
 	@echo "  make bench-<experiment>  one experiment: $(BENCH_EXPERIMENTS)"
 	@echo "  Variables: HTTP_PORT GRPC_PORT METRICS_PORT MODEL_REPOSITORY MODEL_SIZE=small|full PYTEST_ARGS SOAK_ARGS"
-	@echo "  Backend:   TRITON_SOURCES=$(TRITON_SOURCES) ORT_HEADERS=$(ORT_HEADERS) BACKEND_CACHE=$(BACKEND_CACHE)"
+	@echo "  Backend:   TRITON_SOURCES=$(TRITON_SOURCES) ORT_HEADERS=$(ORT_HEADERS) BACKEND_CACHE=$(BACKEND_CACHE) BACKEND_GPU_CACHE=$(BACKEND_GPU_CACHE) GPU_RUNTIME=1 JOBS"
+	@echo "  GPU host:  make serve BLS_PROFILE=gpu|gpu-ort-trt (no Docker), make gpu-check GPU_CHECK_ARGS"
 	@echo "  Container: IMAGE TEST_IMAGE BLS_PROFILE=portable|gpu|gpu-ort-trt|gpu-trt GPUS SHM_SIZE TEST_SHM_SIZE PUBLISH_HOST CACHE_VOLUME TEST_CACHE_VOLUME"
 
 $(STAMP): pyproject.toml scripts/install_system_deps.sh scripts/install_perf_analyzer.py
@@ -62,15 +73,33 @@ backend: $(STAMP) ## Build Triton's onnxruntime backend (C++, r24.10; ~20 s, cac
 	$(PY) -m tritonlocal.backend_build $(if $(TRITON_SOURCES),--sources $(TRITON_SOURCES)) \
 	    $(if $(ORT_HEADERS),--headers $(ORT_HEADERS))
 
+backend-gpu: $(STAMP) ## The same backend for GPUs (TRITON_ENABLE_GPU, onnxruntime-gpu, CUDA 13 from PyPI; compiles without a GPU)
+	$(PY) -m tritonlocal.backend_build --gpu $(if $(GPU_RUNTIME),--runtime) $(if $(JOBS),--jobs $(JOBS)) \
+	    $(if $(TRITON_SOURCES),--sources $(TRITON_SOURCES)) $(if $(ORT_HEADERS),--headers $(ORT_HEADERS))
+
+# Fails in a second, with one line, when this host cannot serve SERVE_PROFILE (system Python,
+# standard library only: before any venv or CUDA wheel is installed).
+gpu-host:
+	@$(PYTHON) -m tritonlocal.gpu require $(SERVE_PROFILE)
+
 models: $(STAMP) ## Export the ONNX models into $(MODEL_REPOSITORY) (skipped when up to date)
 	$(PY) -m modelgen.export --repository $(MODEL_REPOSITORY) --size $(MODEL_SIZE)
 
 configs: $(STAMP) ## Regenerate every config.pbtxt, the orchestrators' model.py and the docs' parameter table from bls_models/spec.py
 	$(PY) -m modelgen.configs --repository $(MODEL_REPOSITORY)
 
-serve: models backend ## Serve $(MODEL_REPOSITORY) on 127.0.0.1 in the foreground (Ctrl-C stops it)
-	$(PY) -m tritonlocal serve --model-repository $(MODEL_REPOSITORY) \
+SERVE = $(PY) -m tritonlocal serve --model-repository $(MODEL_REPOSITORY) \
 	    --http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT)
+ifeq ($(SERVE_PROFILE),portable)
+serve: models backend ## Serve $(MODEL_REPOSITORY) on 127.0.0.1 in the foreground (Ctrl-C stops it; BLS_PROFILE=gpu on a GPU host)
+	$(SERVE)
+else
+# A GPU profile: the host check first (a second, one line), then, in this order even under -j,
+# the models and the GPU backend with its runtime libraries.
+serve: gpu-host
+	$(MAKE) --no-print-directory models backend-gpu GPU_RUNTIME=1
+	$(SERVE) --profile $(SERVE_PROFILE)
+endif
 
 test: models backend ## Run the whole test suite (unit + live server) — what CI runs
 	$(PY) -m pytest $(PYTEST_ARGS)
@@ -103,6 +132,16 @@ docker-run: models ## Serve in the container on GPUs (BLS_PROFILE, SHM_SIZE, PUB
 test-container: ## Run the test suite inside the test image against its own server (GPU host)
 	docker run --rm --gpus $(GPUS) --shm-size=$(TEST_SHM_SIZE) --security-opt=no-new-privileges \
 	    -e BLS_PROFILE=$(BLS_PROFILE) -v $(TEST_CACHE_VOLUME):/var/cache/bls $(TEST_IMAGE) $(PYTEST_ARGS)
+
+# On a GPU host (no Docker needed): every GPU profile against CPU ONNX Runtime, the GPU-tensor path,
+# engine builds and perf_analyzer, in under 15 minutes -> bench/results/gpu-check/REPORT.md. On a
+# host without a GPU it says so in one line and succeeds. GPU_CHECK_ARGS=--dry-run lists the steps.
+GPU_CHECK_ARGS   ?=
+gpu-check: ## On a GPU host: prove it works (every GPU profile, correctness, GPU tensors, engines, perf; <15 min)
+	@case " $(GPU_CHECK_ARGS) " in *" --dry-run "*) exec $(PYTHON) -m bench.gpu_check $(GPU_CHECK_ARGS);; esac; \
+	$(PYTHON) -m tritonlocal.gpu probe --what "make gpu-check" || { [ $$? = 3 ] && exit 0; exit 1; }; \
+	$(MAKE) --no-print-directory models backend-gpu MODEL_SIZE=full GPU_RUNTIME=1 && \
+	$(PY) -m bench.gpu_check $(GPU_CHECK_ARGS)
 
 clean: ## Remove generated models, logs and caches (keeps .venv)
 	rm -rf .triton .pytest_cache $(MODEL_REPOSITORY)/*/[0-9]*/model.onnx $(MODEL_REPOSITORY)/.export-stamp.json

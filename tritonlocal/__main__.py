@@ -1,5 +1,10 @@
 """``python -m tritonlocal serve``: serve a model repository in the foreground (``make serve``).
 
+``--profile`` chooses what is served: ``portable`` (the default: the committed repository, on CPU
+here) or a GPU profile rendered by ``modelgen.profiles`` (``gpu``, ``gpu-ort-trt``; ``make serve
+BLS_PROFILE=gpu``), which needs an NVIDIA GPU and driver (``tritonlocal.gpu``; a host without
+one gets one line saying so, exit 2) and the GPU build of the onnxruntime backend.
+
 Ctrl-C (SIGINT) or SIGTERM stops the server cleanly: SIGINT to tritonserver, a grace period,
 then SIGKILL for anything left of its process group, stubs included.
 
@@ -12,16 +17,20 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import signal
 import sys
 import threading
 from pathlib import Path
 
-from tritonlocal import backend_build
-from tritonlocal.launcher import ServerOptions, Supervisor, TritonServer, tail_to
+from tritonlocal import backend_build, gpu
+from tritonlocal.launcher import (ServerOptions, Supervisor, TritonServer, profile_repository,
+                                  tail_to)
 from tritonlocal.runtime import LauncherError
 
 EXAMPLE_MODEL = "pipeline"
+RUN_DIR = Path(".triton") / "run"      # rendered GPU-profile repositories (removed at exit)
+ENGINE_CACHE = Path(".triton") / "cache"  # ONNX Runtime's TensorRT engines (gpu-ort-trt)
 
 
 def example_request(server: TritonServer) -> str:
@@ -70,8 +79,29 @@ def _interrupt(signum, frame):
 
 
 def serve(args: argparse.Namespace) -> int:
+    try:
+        host = gpu.require(args.profile)
+    except gpu.NoGpu as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    if host is not None:
+        print(f"profile {args.profile} on {host.describe()}", flush=True)
+    try:
+        repository = profile_repository(args.profile, Path(args.model_repository), RUN_DIR,
+                                        ENGINE_CACHE.resolve())
+    except LauncherError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    try:
+        return _serve(args, repository, on_gpu=host is not None)
+    finally:
+        if repository != Path(args.model_repository):
+            shutil.rmtree(repository, ignore_errors=True)
+
+
+def _serve(args: argparse.Namespace, repository: Path, on_gpu: bool) -> int:
     options = ServerOptions(
-        model_repository=Path(args.model_repository), host=args.host,
+        model_repository=repository, host=args.host, gpu=on_gpu,
         http_port=args.http_port, grpc_port=args.grpc_port, metrics_port=args.metrics_port,
         log_file=Path(args.log_file or f".triton/tritonserver-{args.http_port}.log"),
         ready_timeout=args.ready_timeout, log_verbose=args.log_verbose,
@@ -121,6 +151,9 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("serve", help="serve a model repository in the foreground")
     p.add_argument("--model-repository", default="model_repository")
+    p.add_argument("--profile", default="portable", choices=("portable", "gpu", "gpu-ort-trt", "gpu-trt"),
+                   help="portable (default: the repository as committed, CPU here) or a GPU "
+                        "profile rendered from it (needs a GPU host; gpu-trt: container only)")
     p.add_argument("--host", default="127.0.0.1",
                    help="address to bind all endpoints to (default 127.0.0.1: local only)")
     p.add_argument("--http-port", type=int, default=8000)

@@ -23,6 +23,18 @@ Inputs (all of them make the cache key; a change of any one rebuilds):
   ``libtritonserver-<hash>.so``); the backend's ``NEEDED`` entry is rewritten to it (patchelf);
 * the compiler, CMake and this recipe (``RECIPE``).
 
+**The GPU build** (``--gpu``, ``make backend-gpu``; its own cache, ``.triton/onnxruntime-backend-gpu``)
+compiles the same sources with ``TRITON_ENABLE_GPU=ON`` and ``TRITON_ENABLE_ONNXRUNTIME_TENSORRT=ON``
+against ``onnxruntime-gpu`` of the CPU pin's version, with CUDA from PyPI only (no toolkit
+install): ``GPU_BUILD_PACKAGES`` are installed with pip into ``<cache>/packages/build-<hash>``.
+The onnxruntime-gpu wheel of the pinned version is built for CUDA 13, and CUDA 12's PyPI wheels
+carry no ``nvcc`` (which the backend library's CUDA kernel needs), so the toolkit is CUDA 13.0.
+CUDA 13 compiles for compute capability 7.5 and newer only, while backend r24.10 lists 5.3 to
+7.2 too: the recipe narrows that list through a CMake project include (``CUDA_ARCHITECTURES``).
+Compiling needs headers and nvcc, no GPU. Serving needs the runtime libraries ONNX Runtime's CUDA
+and TensorRT providers load (``GPU_RUNTIME_PACKAGES``, ``--runtime``; a GiB or more) and the
+NVIDIA driver R580+ (``tritonlocal.gpu``).
+
 Output: ``<cache>/<key>/onnxruntime/{libtriton_onnxruntime.so, libonnxruntime.so.1}`` plus
 ``build-info.json`` and ``build.log``, and ``<cache>/current`` pointing at it. The launcher copies
 ``current`` into the backend directory it assembles for each server.
@@ -35,6 +47,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import importlib.metadata
 import importlib.util
 import json
 import os
@@ -57,6 +70,8 @@ DEFAULT_SOURCES = VENDOR / "triton-r24.10"
 DEFAULT_HEADERS = VENDOR / "onnxruntime-headers"
 DEFAULT_CACHE = PROJECT_ROOT / ".triton" / "onnxruntime-backend"
 CACHE_ENV = "TRITONLOCAL_BACKEND_CACHE"
+DEFAULT_GPU_CACHE = PROJECT_ROOT / ".triton" / "onnxruntime-backend-gpu"
+GPU_CACHE_ENV = "TRITONLOCAL_BACKEND_GPU_CACHE"
 SOURCE_URL = "https://github.com/triton-inference-server/{repo}/archive/" + TAG + ".tar.gz"
 ORT_RELEASE_URL = ("https://github.com/microsoft/onnxruntime/releases/download/v{version}/"
                    "onnxruntime-linux-x64-{version}.tgz")
@@ -76,6 +91,50 @@ CMAKE_OPTIONS = (
     # common r24.10 always configures its tests, with googletest from Debian's sources.
     "-DFETCHCONTENT_SOURCE_DIR_GOOGLETEST=/usr/src/googletest",
 )
+# The GPU build: the same options with CUDA, and ONNX Runtime's TensorRT provider (the backend
+# reaches it through ONNX Runtime's C API only: no TensorRT headers at build time; gpu-ort-trt).
+_GPU_SWITCHES = {"-DTRITON_ENABLE_GPU=OFF": "-DTRITON_ENABLE_GPU=ON",
+                 "-DTRITON_ENABLE_ONNXRUNTIME_TENSORRT=OFF": "-DTRITON_ENABLE_ONNXRUNTIME_TENSORRT=ON"}
+GPU_OPTIONS = (*(_GPU_SWITCHES.get(option, option) for option in CMAKE_OPTIONS),
+               "-DTRITON_ENABLE_MEMORY_TRACKER=OFF")
+# What the GPU build compiles with (pip, --no-deps, into a directory of its own; every pin is in
+# the cache key). All CUDA 13 wheels install into one tree, nvidia/cu13/{bin,include,lib,nvvm}.
+GPU_CUDA_ROOT = "nvidia/cu13"
+GPU_BUILD_PACKAGES = (
+    "nvidia-cuda-nvcc==13.0.88",     # nvcc, ptxas, fatbinary (CUDA 12's wheels have no nvcc)
+    "nvidia-nvvm==13.0.88",          # cicc, libdevice: nvcc's device front end
+    "nvidia-cuda-crt==13.0.88",      # crt/ headers nvcc includes
+    "nvidia-cuda-runtime==13.0.96",  # cuda_runtime_api.h, libcudart.so.13
+    "nvidia-cuda-cccl==13.0.85",     # nv/target, cuda/std: included by CUDA 13's headers
+)
+# What ONNX Runtime's providers load when serving (libonnxruntime_providers_cuda.so NEEDs cuBLAS,
+# cuBLASLt, cuRAND and cudart 13 and opens cuDNN 9 and cuFFT; the TensorRT provider NEEDs
+# libnvinfer.so.10 and libnvonnxparser.so.10): onnxruntime-gpu's own `cuda` and `cudnn` extras,
+# pinned within their ranges, plus TensorRT 10 for CUDA 13.
+GPU_RUNTIME_PACKAGES = (
+    "nvidia-cuda-runtime==13.0.96",
+    "nvidia-cuda-nvrtc==13.0.88",
+    "nvidia-cublas==13.0.2.14",
+    "nvidia-cufft==12.0.0.61",
+    "nvidia-curand==10.4.0.35",
+    "nvidia-cudnn-cu13==9.14.0.64",
+    "tensorrt-cu13-libs==10.16.1.11",
+    "tensorrt-cu13-bindings==10.16.1.11",  # scripts/build_trt_engines.py (gpu-trt, make gpu-check)
+)
+# CUDA 13 dropped compute capability < 7.5; backend r24.10 hard-codes 5.3 to 9.0 for its one CUDA
+# kernel (kernel_library_new, the input gatherer). The project include below runs after the
+# backend's CMakeLists has set its list (cmake_language DEFER) and keeps what CUDA 13 compiles:
+# Turing to Blackwell as machine code, plus PTX of the newest for GPUs after it.
+CUDA_ARCHITECTURES = "75-real;80-real;86-real;89-real;90-real;100-real;120"
+ARCHITECTURES_INCLUDE = (
+    "# Written by tritonlocal.backend_build (the GPU build): CUDA 13 compiles for compute\n"
+    "# capability 7.5 and newer only; backend r24.10 lists 5.3 to 9.0 for kernel_library_new.\n"
+    "cmake_language(DEFER CALL set_target_properties kernel_library_new PROPERTIES\n"
+    f"  CUDA_ARCHITECTURES \"{CUDA_ARCHITECTURES}\")\n")
+# Copied next to the GPU backend (RUNPATH $ORIGIN; ONNX Runtime opens its providers from the
+# directory of libonnxruntime.so): the providers, and cudart 13 under its SONAME.
+GPU_PROVIDERS = ("libonnxruntime_providers_shared.so", "libonnxruntime_providers_cuda.so",
+                 "libonnxruntime_providers_tensorrt.so")
 # What the build needs from the system, and the Debian package that provides it.
 TOOLS = {"cmake": "cmake", "g++": "g++", "make": "make", "patchelf": "patchelf",
          "dpkg-deb": "dpkg"}
@@ -99,6 +158,14 @@ class Inputs:
     header: Path              # a .deb with the header, or a directory holding onnxruntime_c_api.h
     library: Library
     server_library: str       # the wheel's name of libtritonserver.so
+    # The GPU build only: the CUDA toolkit tree (bin/nvcc, include, lib) and ONNX Runtime's
+    # provider libraries beside its library.
+    cuda: Path | None = None
+    providers: tuple[Path, ...] = ()
+
+    @property
+    def gpu(self) -> bool:
+        return self.cuda is not None
 
 
 def _log(message: str) -> None:
@@ -111,7 +178,11 @@ def onnxruntime_library() -> Library:
     if spec is None or not spec.submodule_search_locations:
         raise BuildError("the onnxruntime wheel is not installed in this environment (its "
                          "library is what the backend links); run `make venv`")
-    capi = Path(list(spec.submodule_search_locations)[0]) / "capi"
+    return library_in(Path(list(spec.submodule_search_locations)[0]) / "capi")
+
+
+def library_in(capi: Path) -> Library:
+    """``libonnxruntime.so.<version>`` of an installed onnxruntime (or onnxruntime-gpu) wheel."""
     found = sorted(capi.glob("libonnxruntime.so.*.*.*"))
     if len(found) != 1:
         raise BuildError(f"expected one libonnxruntime.so.<version> in {capi}, found "
@@ -204,6 +275,99 @@ def gather(sources: Path | None, headers: Path | None, cache: Path) -> Inputs:
                   server_library_name())
 
 
+# -- the GPU build's inputs: onnxruntime-gpu and CUDA 13 from PyPI --------------------------------
+def cpu_onnxruntime_version() -> str:
+    """The venv's onnxruntime (pyproject's pin): the GPU build takes onnxruntime-gpu of the same
+    version, so CPU and GPU serve the same ONNX Runtime release."""
+    try:
+        return importlib.metadata.version("onnxruntime")
+    except importlib.metadata.PackageNotFoundError:
+        raise BuildError("the onnxruntime wheel is not installed in this environment (the GPU "
+                         "build takes onnxruntime-gpu of its version); run `make venv`") from None
+
+
+def gpu_build_packages() -> tuple[str, ...]:
+    return (f"onnxruntime-gpu=={cpu_onnxruntime_version()}", *GPU_BUILD_PACKAGES)
+
+
+def _pins_key(packages: tuple[str, ...]) -> str:
+    return hashlib.sha256("\n".join(sorted(packages)).encode()).hexdigest()[:12]
+
+
+def pip_install(packages: tuple[str, ...], cache: Path, kind: str) -> Path:
+    """``<cache>/packages/<kind>-<hash of the pins>``: ``packages`` installed there once with pip
+    (``--no-deps --target``: exactly these pins, nothing of the venv touched; onnxruntime-gpu
+    and the venv's onnxruntime would otherwise overwrite each other's files)."""
+    key = _pins_key(packages)
+    target = cache / "packages" / f"{kind}-{key}"
+    if (target / ".installed").is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    partial = Path(tempfile.mkdtemp(prefix=f"{kind}-{key}.", suffix=".partial", dir=target.parent))
+    log = cache / f"pip-{kind}.log"
+    _log(f"installing {len(packages)} package(s) with pip into {target} (once; log {log})")
+    try:
+        _run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps",
+              "--disable-pip-version-check", "--target", str(partial), *packages], log,
+             f"pip install {' '.join(packages)}")
+        (partial / ".installed").write_text("\n".join(packages) + "\n")
+        try:
+            os.rename(partial, target)
+        except OSError:  # another build installed the same pins first: keep that one
+            if not (target / ".installed").is_file():
+                raise
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
+    return target
+
+
+def cuda_toolkit(packages: Path) -> Path:
+    """The CUDA 13 tree the wheels installed, completed where the tools expect a toolkit's layout:
+    ``lib/libcudart.so`` (FindCUDAToolkit looks for that name; the wheel ships the SONAME only)
+    and ``lib64`` (nvcc links its test programs from ``lib64``, per its nvcc.profile; the wheels
+    install ``lib``)."""
+    root = packages / GPU_CUDA_ROOT
+    for needed in ("bin/nvcc", "nvvm/bin/cicc", "include/cuda_runtime_api.h", "lib/libcudart.so.13"):
+        if not (root / needed).exists():
+            raise BuildError(f"the CUDA wheels in {packages} lack {GPU_CUDA_ROOT}/{needed}")
+    for link, target in ((root / "lib" / "libcudart.so", "libcudart.so.13"), (root / "lib64", "lib")):
+        if not link.is_symlink() and not link.exists():
+            link.symlink_to(target)
+    return root
+
+
+def gather_gpu(sources: Path | None, headers: Path | None, cache: Path) -> Inputs:
+    packages = pip_install(gpu_build_packages(), cache, "build")
+    capi = packages / "onnxruntime" / "capi"
+    library = library_in(capi)
+    providers = tuple(capi / name for name in GPU_PROVIDERS)
+    missing = [p.name for p in providers if not p.is_file()]
+    if missing:
+        raise BuildError(f"onnxruntime-gpu in {packages} lacks {', '.join(missing)}")
+    return Inputs(find_sources(sources, cache), find_header(headers, library, cache), library,
+                  server_library_name(), cuda=cuda_toolkit(packages), providers=providers)
+
+
+def install_gpu_runtime(cache: Path) -> Path:
+    """The libraries ONNX Runtime's CUDA and TensorRT providers load (``GPU_RUNTIME_PACKAGES``),
+    installed once; the launcher puts their directories on the server's LD_LIBRARY_PATH."""
+    return pip_install(GPU_RUNTIME_PACKAGES, cache, "runtime")
+
+
+def gpu_runtime(cache: Path | None = None) -> Path | None:
+    """Where ``install_gpu_runtime`` installed the current pins, or None."""
+    root = Path(cache or default_cache(gpu=True)) / "packages" / f"runtime-{_pins_key(GPU_RUNTIME_PACKAGES)}"
+    return root if (root / ".installed").is_file() else None
+
+
+def gpu_runtime_library_dirs(cache: Path | None = None) -> list[Path]:
+    """The directories of the installed GPU runtime libraries (``install_gpu_runtime``), or []."""
+    root = gpu_runtime(cache)
+    if root is None:
+        return []
+    return sorted({path.parent for path in root.glob("**/lib*.so*") if path.is_file()})
+
+
 def _sha256(path: Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as handle:
@@ -220,6 +384,14 @@ def _first_line(command: list[str]) -> str:
     return out.splitlines()[0] if out else "unknown"
 
 
+def _last_line(command: list[str]) -> str:
+    try:
+        out = subprocess.run(command, capture_output=True, text=True, timeout=30).stdout
+    except OSError:
+        return "missing"
+    return out.splitlines()[-1] if out else "unknown"
+
+
 def describe(inputs: Inputs) -> dict:
     """Everything the build depends on, as recorded in build-info.json and hashed into the key."""
     header = inputs.header
@@ -232,9 +404,15 @@ def describe(inputs: Inputs) -> dict:
         "header": {"from": header.name, "sha256": header_id},
         "library": {"version": inputs.library.version, "sha256": _sha256(inputs.library.path)},
         "server_library": inputs.server_library,
-        "cmake_options": list(CMAKE_OPTIONS),
+        "cmake_options": list(GPU_OPTIONS if inputs.gpu else CMAKE_OPTIONS),
         "compiler": _first_line(["g++", "--version"]),
         "cmake": _first_line(["cmake", "--version"]),
+        # (Only GPU builds have these keys: a CPU build's key is what it was before them.)
+        **({"gpu": {"packages": list(gpu_build_packages()),
+                    "nvcc": _last_line([str(inputs.cuda / "bin" / "nvcc"), "--version"]),
+                    "cuda_architectures": CUDA_ARCHITECTURES,
+                    "providers": {p.name: _sha256(p) for p in inputs.providers}}}
+           if inputs.gpu else {}),
     }
 
 
@@ -309,6 +487,15 @@ def _run(command: list[str], log: Path, what: str, cwd: Path | None = None,
         raise BuildError(f"{what} failed (exit {code}); log {log}:\n{tail}")
 
 
+def gpu_cmake_arguments(cuda: Path, work: Path) -> list[str]:
+    """CMake's arguments for the GPU build: ``GPU_OPTIONS``, the toolkit from the wheels, and the
+    project include that narrows the backend library's CUDA architectures to CUDA 13's."""
+    include = work / "cuda_architectures.cmake"
+    include.write_text(ARCHITECTURES_INCLUDE)
+    return [*GPU_OPTIONS, f"-DCUDAToolkit_ROOT={cuda}", f"-DCMAKE_CUDA_COMPILER={cuda}/bin/nvcc",
+            f"-DCMAKE_PROJECT_tritonbackend_INCLUDE={include}"]
+
+
 def build(inputs: Inputs, description: dict, target: Path, jobs: int) -> None:
     """Configure, compile and assemble the backend into ``target`` (``<target>/onnxruntime``)."""
     work = target / "work"
@@ -330,7 +517,8 @@ def build(inputs: Inputs, description: dict, target: Path, jobs: int) -> None:
     build_dir = work / "build"
     build_dir.mkdir()
     _log(f"configuring (CMake; ONNX Runtime {inputs.library.version}, header API {header_api})")
-    _run(["cmake", str(trees["onnxruntime_backend"]), *CMAKE_OPTIONS,
+    _run(["cmake", str(trees["onnxruntime_backend"]),
+          *(gpu_cmake_arguments(inputs.cuda, work) if inputs.gpu else CMAKE_OPTIONS),
           f"-DTRITON_ONNXRUNTIME_INCLUDE_PATHS={include}",
           f"-DTRITON_ONNXRUNTIME_LIB_PATHS={lib_dir}",
           *(f"-DFETCHCONTENT_SOURCE_DIR_REPO-{repo.upper()}={trees[repo]}"
@@ -346,6 +534,11 @@ def build(inputs: Inputs, description: dict, target: Path, jobs: int) -> None:
           str(backend / BACKEND_LIB)], log, "patchelf")
     # Under its SONAME, the name the backend's NEEDED entry asks for.
     shutil.copy2(inputs.library.path, backend / "libonnxruntime.so.1")
+    for provider in inputs.providers:
+        shutil.copy2(provider, backend / provider.name)
+    if inputs.gpu:
+        # The backend's own CUDA runtime (it NEEDs libcudart.so.13; the server has 12.6's).
+        shutil.copy2(inputs.cuda / "lib" / "libcudart.so.13", backend / "libcudart.so.13")
     shutil.rmtree(work)
     seconds = time.monotonic() - started
     (target / "build-info.json").write_text(json.dumps(
@@ -355,13 +548,14 @@ def build(inputs: Inputs, description: dict, target: Path, jobs: int) -> None:
 
 
 def ensure(sources: Path | None = None, headers: Path | None = None, cache: Path | None = None,
-           jobs: int | None = None, force: bool = False) -> Path:
+           jobs: int | None = None, force: bool = False, gpu: bool = False) -> Path:
     """The built backend directory for the current inputs (``<cache>/<key>/onnxruntime``),
-    built first unless the cache holds it. ``<cache>/current`` points at it afterwards."""
-    cache = Path(cache or default_cache()).resolve()
+    built first unless the cache holds it. ``<cache>/current`` points at it afterwards. With
+    ``gpu``, the GPU build (its own default cache)."""
+    cache = Path(cache or default_cache(gpu)).resolve()
     check_system()
     cache.mkdir(parents=True, exist_ok=True)
-    inputs = gather(sources, headers, cache)
+    inputs = (gather_gpu if gpu else gather)(sources, headers, cache)
     description = describe(inputs)
     key = cache_key(description)
     final = cache / key
@@ -370,7 +564,8 @@ def ensure(sources: Path | None = None, headers: Path | None = None, cache: Path
     if (final / "build-info.json").is_file():
         _log(f"cached: {final} (inputs unchanged)")
     else:
-        _log(f"building Triton's onnxruntime backend {TAG} (key {key}) into {final}")
+        _log(f"building Triton's onnxruntime backend {TAG}{' for GPUs' if gpu else ''} "
+             f"(key {key}) into {final}")
         partial = Path(tempfile.mkdtemp(prefix=f"{key}.", suffix=".partial", dir=cache))
         partial.chmod(0o755)
         try:
@@ -402,13 +597,15 @@ def prune(cache: Path, keep: str) -> None:
             shutil.rmtree(entry, ignore_errors=True)
 
 
-def default_cache() -> Path:
+def default_cache(gpu: bool = False) -> Path:
+    if gpu:
+        return Path(os.environ.get(GPU_CACHE_ENV) or DEFAULT_GPU_CACHE)
     return Path(os.environ.get(CACHE_ENV) or DEFAULT_CACHE)
 
 
-def installed(cache: Path | None = None) -> Path | None:
+def installed(cache: Path | None = None, gpu: bool = False) -> Path | None:
     """The backend directory ``ensure`` built last (``<cache>/current/onnxruntime``), or None."""
-    backend = Path(cache or default_cache()) / "current" / "onnxruntime"
+    backend = Path(cache or default_cache(gpu)) / "current" / "onnxruntime"
     return backend if (backend / BACKEND_LIB).is_file() else None
 
 
@@ -418,7 +615,8 @@ def summary(backend: Path) -> str:
         info = json.loads((Path(backend).parent / "build-info.json").read_text())
     except (OSError, ValueError):
         return f"Triton's onnxruntime backend from {backend}"
-    return (f"Triton's onnxruntime backend {info['tag']} (C++, built here in "
+    gpu = " for GPUs (CUDA 13, onnxruntime-gpu)" if "gpu" in info else ""
+    return (f"Triton's onnxruntime backend {info['tag']}{gpu} (C++, built here in "
             f"{info['build_seconds']:.0f} s, {info['built_at'][:10]}) on ONNX Runtime "
             f"{info['library']['version']}; cache {Path(backend).parent.resolve()}")
 
@@ -437,9 +635,20 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"cache directory (default: ${CACHE_ENV} or {DEFAULT_CACHE})")
     parser.add_argument("--jobs", type=int, help="parallel compile jobs (default: all cores)")
     parser.add_argument("--force", action="store_true", help="rebuild even if cached")
+    parser.add_argument("--gpu", action="store_true",
+                        help="the GPU build: TRITON_ENABLE_GPU=ON against onnxruntime-gpu, CUDA "
+                             f"from PyPI (default cache: ${GPU_CACHE_ENV} or {DEFAULT_GPU_CACHE}); "
+                             "compiles without a GPU")
+    parser.add_argument("--runtime", action="store_true",
+                        help="with --gpu: also install the CUDA, cuDNN and TensorRT libraries "
+                             "serving needs (GPU_RUNTIME_PACKAGES)")
     args = parser.parse_args(argv)
+    if args.runtime and not args.gpu:
+        parser.error("--runtime goes with --gpu")
     try:
-        path = ensure(args.sources, args.headers, args.cache, args.jobs, args.force)
+        path = ensure(args.sources, args.headers, args.cache, args.jobs, args.force, gpu=args.gpu)
+        if args.runtime:
+            install_gpu_runtime(Path(args.cache or default_cache(gpu=True)).resolve())
     except BuildError as error:
         print(f"error: onnxruntime backend: {error}", file=sys.stderr)
         return 1

@@ -60,8 +60,14 @@ def container_flags(model_repository: str = CONTAINER_REPOSITORY) -> list[str]:
     return [f"--model-repository={model_repository}", *serving_flags(),
             "--http-port=8000", "--grpc-port=8001", "--metrics-port=8002",
             "--allow-metrics=true", "--allow-gpu-metrics=true", "--allow-cpu-metrics=true",
-            *(f"--cuda-memory-pool-byte-size={gpu}:{CUDA_MEMORY_POOL_BYTES}"
-              for gpu in range(CUDA_POOL_GPUS))]
+            *cuda_pool_flags()]
+
+
+def cuda_pool_flags() -> list[str]:
+    """A CUDA memory pool per GPU sized for the GPU profiles (the container's server, and the local
+    server on a GPU host)."""
+    return [f"--cuda-memory-pool-byte-size={gpu}:{CUDA_MEMORY_POOL_BYTES}"
+            for gpu in range(CUDA_POOL_GPUS)]
 
 
 def main(argv: list[str] | None = None) -> int:

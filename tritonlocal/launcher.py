@@ -74,6 +74,13 @@ class ServerOptions:
     # Triton's onnxruntime backend (libtriton_onnxruntime.so and its libonnxruntime.so.1), as
     # `make backend` builds it; None: the last build in the cache (backend_build.installed()).
     onnxruntime_backend: Path | None = None
+    # Serve on GPUs (a GPU profile, `make serve BLS_PROFILE=gpu`): the GPU build of the backend
+    # (`make backend-gpu`) with its CUDA libraries on LD_LIBRARY_PATH, GPU metrics, pinned memory
+    # and the container's CUDA memory pools. False: the CPU server, as always.
+    gpu: bool = False
+    # More backends for the backend directory, name -> a directory holding one (e.g. Triton's
+    # tensorrt backend for gpu-trt, which the wheel does not ship): copied in like onnxruntime.
+    extra_backends: dict[str, Path] = field(default_factory=dict)
 
 
 def on_free_ports(repository: Path, log_file: Path | None = None, **options) -> ServerOptions:
@@ -94,6 +101,34 @@ def restriction_args(header: tuple[str, str] | None) -> list[str]:
                             "non-empty value without ',', ':', '=' or spaces")
     rule = f"{','.join(RESTRICTED_APIS)}:{name.lower()}={value}"
     return [f"--http-restricted-api={rule}", f"--grpc-restricted-protocol={rule}"]
+
+
+def gpu_library_path(ld_library_path: str) -> str:
+    """``ld_library_path`` with the CUDA, cuDNN and TensorRT libraries ONNX Runtime's GPU providers
+    load (installed by `make backend-gpu GPU_RUNTIME=1`) in front."""
+    dirs = backend_build.gpu_runtime_library_dirs()
+    if not dirs:
+        raise LauncherError("the GPU runtime libraries (CUDA 13, cuDNN, TensorRT from PyPI) are "
+                            "not installed; run `make backend-gpu GPU_RUNTIME=1` (python -m "
+                            "tritonlocal.backend_build --gpu --runtime), which `make serve "
+                            "BLS_PROFILE=gpu` runs")
+    return os.pathsep.join([*map(str, dirs), *filter(None, [ld_library_path])])
+
+
+def profile_repository(profile: str, source: Path, run_dir: Path, cache: Path) -> Path:
+    """What serves ``profile``: ``source`` itself for ``portable``; for a GPU profile, a rendering
+    by ``modelgen.profiles`` into a directory of its own under ``run_dir`` (as the container's
+    entry script does), its engine caches under ``cache``."""
+    if profile == "portable":
+        return Path(source)
+    from modelgen import profiles
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    target = Path(tempfile.mkdtemp(prefix=f"repository-{profile}.", dir=run_dir))
+    problems = profiles.write(profile, Path(source), target, str(cache))
+    if problems:
+        raise LauncherError(f"profile {profile}: " + "; ".join(problems))
+    return target
 
 
 class TritonServer:
@@ -137,6 +172,8 @@ class TritonServer:
         restrictions = restriction_args(opts.admin_header)
         install = runtime.find_installation()
         env = runtime.server_environment(install, opts.python)
+        if opts.gpu:
+            env["LD_LIBRARY_PATH"] = gpu_library_path(env["LD_LIBRARY_PATH"])
         python_version, numpy_version = runtime.python_version_of(opts.python)
         runtime.check_numpy(opts.python, numpy_version)
         stub = install.stub(python_version)
@@ -157,25 +194,7 @@ class TritonServer:
                                            self._run_dir / "backends")
         self.log_file = Path(opts.log_file) if opts.log_file else self._run_dir / "tritonserver.log"
         self.log_file.parent.mkdir(parents=True, exist_ok=True)
-        command = [
-            str(install.server),
-            f"--model-repository={repository}",
-            f"--backend-directory={backends}",
-            f"--http-address={opts.host}", f"--http-port={opts.http_port}",
-            f"--grpc-address={opts.host}", f"--grpc-port={opts.grpc_port}",
-            f"--metrics-address={opts.host}", f"--metrics-port={opts.metrics_port}",
-            "--allow-metrics=true", "--allow-gpu-metrics=false", "--allow-cpu-metrics=true",
-            *flags.serving_flags(opts.shm_default_bytes, opts.shm_growth_bytes,
-                                 opts.python_thread_pool),
-            # No GPU locally: skip the pinned host pool the CUDA build would try to allocate.
-            "--pinned-memory-pool-byte-size=0",
-            f"--log-verbose={opts.log_verbose}",
-            # A prefix unique to this server, so stop() can remove exactly its regions if a stub
-            # could not (killed stubs leave their /dev/shm files behind).
-            f"--backend-config=python,shm-region-prefix-name={self._shm_prefix}",
-            *restrictions,
-            *opts.extra_args,
-        ]
+        command = self.command(install.server, repository, backends, restrictions)
         with open(self.log_file, "ab") as log:
             log.write(f"# {' '.join(command)}\n".encode())
             log.flush()
@@ -190,6 +209,32 @@ class TritonServer:
         except BaseException:
             self.stop()
             raise
+
+    def command(self, server: Path, repository: Path, backends: Path,
+                restrictions: list[str]) -> list[str]:
+        """The tritonserver command line for these options."""
+        opts = self.options
+        return [
+            str(server),
+            f"--model-repository={repository}",
+            f"--backend-directory={backends}",
+            f"--http-address={opts.host}", f"--http-port={opts.http_port}",
+            f"--grpc-address={opts.host}", f"--grpc-port={opts.grpc_port}",
+            f"--metrics-address={opts.host}", f"--metrics-port={opts.metrics_port}",
+            "--allow-metrics=true", f"--allow-gpu-metrics={str(opts.gpu).lower()}",
+            "--allow-cpu-metrics=true",
+            *flags.serving_flags(opts.shm_default_bytes, opts.shm_growth_bytes,
+                                 opts.python_thread_pool),
+            # On CPU, skip the pinned host pool the CUDA build would try to allocate; on GPUs,
+            # Triton's defaults for it and the container's CUDA pools.
+            *(flags.cuda_pool_flags() if opts.gpu else ["--pinned-memory-pool-byte-size=0"]),
+            f"--log-verbose={opts.log_verbose}",
+            # A prefix unique to this server, so stop() can remove exactly its regions if a stub
+            # could not (killed stubs leave their /dev/shm files behind).
+            f"--backend-config=python,shm-region-prefix-name={self._shm_prefix}",
+            *restrictions,
+            *opts.extra_args,
+        ]
 
     def stop(self, grace: float | None = None) -> int | None:
         """SIGINT, wait up to ``grace`` (default ``stop_grace``), then SIGKILL the process group.
@@ -257,15 +302,18 @@ class TritonServer:
     def _onnxruntime_backend(self, models: list) -> Path | None:
         """The built onnxruntime backend, or None if no model needs it; refuses to start
         without it rather than serve ONNX models with anything else."""
-        built = self.options.onnxruntime_backend or backend_build.installed()
+        gpu = self.options.gpu
+        built = self.options.onnxruntime_backend or backend_build.installed(gpu=gpu)
         needed = sorted(m.name for m in models if uses_onnxruntime(m))
         if built is None or not (Path(built) / backend_build.BACKEND_LIB).is_file():
             if needed:
+                target, flag = ("backend-gpu", " --gpu") if gpu else ("backend", "")
                 raise LauncherError(
-                    f"Triton's onnxruntime backend is not built ({len(needed)} model(s) need it: "
+                    f"Triton's onnxruntime backend{' for GPUs' if gpu else ''} is not built "
+                    f"({len(needed)} model(s) need it: "
                     f"{', '.join(needed[:4])}{', ...' if len(needed) > 4 else ''}); build it "
-                    "with `make backend` (python -m tritonlocal.backend_build), which `make "
-                    "serve` and `make test` run")
+                    f"with `make {target}` (python -m tritonlocal.backend_build{flag}), which "
+                    f"`make serve{' BLS_PROFILE=gpu' if gpu else ''}` runs")
             return None
         return Path(built)
 
@@ -281,6 +329,8 @@ class TritonServer:
         shutil.copy2(stub, python_dir / stub.name)
         if onnxruntime is not None:
             shutil.copytree(onnxruntime, target / "onnxruntime")
+        for name, directory in self.options.extra_backends.items():
+            shutil.copytree(directory, target / name)
         return target
 
     def _wait_ready(self, repository: Path) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 import tarfile
 from pathlib import Path
 
@@ -182,3 +183,144 @@ def test_the_launcher_refuses_onnx_models_without_the_backend(tmp_path):
         server._onnxruntime_backend(models)
     # A repository with only python models needs no backend.
     assert server._onnxruntime_backend([m for m in models if m.backend == "python"]) is None
+
+
+# -- the GPU build (--gpu) ----------------------------------------------------------------------
+@pytest.fixture
+def gpu_inputs(inputs, tmp_path) -> B.Inputs:
+    """The CPU inputs plus a stand-in CUDA tree and onnxruntime-gpu's provider libraries."""
+    cuda = tmp_path / "packages" / B.GPU_CUDA_ROOT
+    for name in ("bin/nvcc", "nvvm/bin/cicc", "include/cuda_runtime_api.h", "lib/libcudart.so.13"):
+        (cuda / name).parent.mkdir(parents=True, exist_ok=True)
+        (cuda / name).write_text("")
+    (cuda / "bin" / "nvcc").write_text("#!/bin/sh\necho 'Cuda compilation tools, release 13.0'\n")
+    (cuda / "bin" / "nvcc").chmod(0o755)
+    providers = []
+    for name in B.GPU_PROVIDERS:
+        providers.append(tmp_path / "capi" / name)
+        providers[-1].parent.mkdir(exist_ok=True)
+        providers[-1].write_bytes(name.encode())
+    return B.Inputs(inputs.sources, inputs.header, inputs.library, inputs.server_library,
+                    cuda=B.cuda_toolkit(cuda.parent.parent), providers=tuple(providers))
+
+
+def test_the_cpu_build_is_unchanged_by_the_gpu_build(inputs):
+    # Its options and the keys of its description (hence its cache key) are what they were: a
+    # CPU host keeps its cached backend.
+    assert B.CMAKE_OPTIONS[1:4] == ("-DTRITON_ENABLE_GPU=OFF", "-DTRITON_ENABLE_ONNXRUNTIME_TENSORRT=OFF",
+                                    "-DTRITON_ENABLE_ONNXRUNTIME_OPENVINO=OFF")
+    assert set(B.describe(inputs)) == {"recipe", "tag", "sources", "header", "library",
+                                       "server_library", "cmake_options", "compiler", "cmake"}
+    assert B.default_cache() != B.default_cache(gpu=True)
+
+
+def test_the_gpu_options_switch_on_cuda_and_the_tensorrt_provider_and_nothing_else():
+    cpu, gpu = set(B.CMAKE_OPTIONS), set(B.GPU_OPTIONS)
+    assert gpu - cpu == {"-DTRITON_ENABLE_GPU=ON", "-DTRITON_ENABLE_ONNXRUNTIME_TENSORRT=ON",
+                         "-DTRITON_ENABLE_MEMORY_TRACKER=OFF"}
+    assert cpu - gpu == {"-DTRITON_ENABLE_GPU=OFF", "-DTRITON_ENABLE_ONNXRUNTIME_TENSORRT=OFF"}
+
+
+def test_onnxruntime_gpu_is_the_version_of_the_cpu_pin():
+    tomllib = pytest.importorskip("tomllib")
+    local = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["local"]
+    pin = next(r.split("==")[1].split()[0] for r in local if r.startswith("onnxruntime=="))
+    assert B.gpu_build_packages()[0] == f"onnxruntime-gpu=={pin}"
+    # Every package is pinned exactly, CUDA 13.0 for the toolkit (what onnxruntime-gpu needs).
+    for package in (*B.GPU_BUILD_PACKAGES, *B.GPU_RUNTIME_PACKAGES):
+        assert re.fullmatch(r"[a-z0-9-]+==[0-9.]+", package), package
+    assert all("==13.0." in p for p in B.GPU_BUILD_PACKAGES)
+
+
+def test_the_gpu_description_keys_every_gpu_input(gpu_inputs, inputs, monkeypatch):
+    description = B.describe(gpu_inputs)
+    assert description["cmake_options"] == list(B.GPU_OPTIONS)
+    assert description["gpu"]["nvcc"] == "Cuda compilation tools, release 13.0"
+    assert set(description["gpu"]["providers"]) == set(B.GPU_PROVIDERS)
+    key = B.cache_key(description)
+    assert key != B.cache_key(B.describe(inputs))
+    gpu_inputs.providers[1].write_bytes(b"another provider")
+    assert B.cache_key(B.describe(gpu_inputs)) != key
+    monkeypatch.setattr(B, "GPU_BUILD_PACKAGES", (*B.GPU_BUILD_PACKAGES[:-1], "nvidia-cuda-cccl==13.0.99"))
+    assert B.cache_key(B.describe(gpu_inputs)) not in (key, B.cache_key(description))
+
+
+def test_cuda_13_architectures_replace_backend_r24_10s_list_after_it_is_set(tmp_path):
+    arguments = B.gpu_cmake_arguments(tmp_path / "cuda", tmp_path)
+    include = next(a.split("=", 1)[1] for a in arguments if a.startswith("-DCMAKE_PROJECT_tritonbackend_INCLUDE="))
+    text = Path(include).read_text()
+    assert "cmake_language(DEFER CALL set_target_properties kernel_library_new" in text
+    assert all(int(a.split("-")[0]) >= 75 for a in B.CUDA_ARCHITECTURES.split(";"))
+    assert f"-DCMAKE_CUDA_COMPILER={tmp_path / 'cuda'}/bin/nvcc" in arguments
+    assert f"-DCUDAToolkit_ROOT={tmp_path / 'cuda'}" in arguments
+    if B.DEFAULT_SOURCES.is_dir():  # the include's name is the backend library's project name
+        with tarfile.open(B.DEFAULT_SOURCES / f"backend-{B.TAG}.tar.gz") as archive:
+            cmake = archive.extractfile("backend/CMakeLists.txt").read().decode()
+        assert "project(tritonbackend " in cmake
+        assert 'set_target_properties(kernel_library_new PROPERTIES CUDA_ARCHITECTURES' in cmake
+
+
+def test_the_cuda_tree_gets_the_names_cmake_and_nvcc_look_for(gpu_inputs):
+    assert (gpu_inputs.cuda / "lib" / "libcudart.so").resolve().name == "libcudart.so.13"
+    assert (gpu_inputs.cuda / "lib64").resolve() == (gpu_inputs.cuda / "lib").resolve()
+    assert B.cuda_toolkit(gpu_inputs.cuda.parent.parent) == gpu_inputs.cuda  # idempotent
+
+
+def test_a_cuda_tree_without_nvcc_is_named(tmp_path):
+    (tmp_path / B.GPU_CUDA_ROOT / "lib").mkdir(parents=True)
+    with pytest.raises(B.BuildError, match=r"lack nvidia/cu13/bin/nvcc"):
+        B.cuda_toolkit(tmp_path)
+
+
+def test_the_gpu_build_puts_providers_and_cudart_beside_the_backend(gpu_inputs, tmp_path, monkeypatch):
+    commands = []
+
+    def fake_run(command, log, what, cwd=None, progress=False):
+        commands.append(command)
+        if command[:2] == ["cmake", "--build"]:
+            (Path(cwd) / B.BACKEND_LIB).write_bytes(b"backend")
+
+    monkeypatch.setattr(B, "_run", fake_run)
+    monkeypatch.setattr(B, "extract_sources", lambda tarballs, work: {r: work / r for r in B.REPOS})
+    B.build(gpu_inputs, B.describe(gpu_inputs), tmp_path / "out", jobs=2)
+    configure = commands[0]
+    assert all(option in configure for option in B.GPU_OPTIONS)
+    assert "-DTRITON_ENABLE_GPU=OFF" not in configure
+    backend = tmp_path / "out" / "onnxruntime"
+    assert sorted(p.name for p in backend.iterdir()) == sorted(
+        [B.BACKEND_LIB, "libonnxruntime.so.1", "libcudart.so.13", *B.GPU_PROVIDERS])
+    assert ["patchelf", "--replace-needed", "libtritonserver.so", gpu_inputs.server_library,
+            str(backend / B.BACKEND_LIB)] in commands
+
+
+def test_pip_installs_each_set_of_pins_once_into_its_own_directory(tmp_path, monkeypatch):
+    calls = []
+
+    def fake_pip(command, log, what, cwd=None, progress=False):
+        calls.append(command)
+        target = Path(command[command.index("--target") + 1])
+        (target / "nvidia").mkdir()
+
+    monkeypatch.setattr(B, "_run", fake_pip)
+    first = B.pip_install(("a==1",), tmp_path, "build")
+    assert B.pip_install(("a==1",), tmp_path, "build") == first and len(calls) == 1
+    assert "--no-deps" in calls[0] and calls[0][-1] == "a==1"
+    assert B.pip_install(("a==2",), tmp_path, "build") != first
+    assert not list((tmp_path / "packages").glob("*.partial"))
+
+
+def test_a_failed_pip_install_leaves_nothing_half_installed(tmp_path, monkeypatch):
+    def failing(*args, **kwargs):
+        raise B.BuildError("pip install failed")
+
+    monkeypatch.setattr(B, "_run", failing)
+    with pytest.raises(B.BuildError):
+        B.pip_install(("a==1",), tmp_path, "runtime")
+    assert list((tmp_path / "packages").iterdir()) == []
+    assert B.gpu_runtime_library_dirs(tmp_path) == []
+
+
+def test_runtime_without_gpu_is_refused(capsys):
+    with pytest.raises(SystemExit):
+        B.main(["--runtime"])
+    assert "--runtime goes with --gpu" in capsys.readouterr().err

@@ -1,0 +1,504 @@
+"""`make gpu-check`: one command that proves a GPU host serves this repository right, in under 15
+minutes, with the wheel's tritonserver and the GPU build of the onnxruntime backend (no Docker).
+
+    python -m bench.gpu_check             # on a GPU host (make gpu-check builds what it needs first)
+    python -m bench.gpu_check --dry-run   # the steps it would run, anywhere
+
+For each GPU profile (``modelgen.profiles``) it renders the repository, builds engines where the
+profile has them (timed), starts the server through the project's launcher (timed: warm-up and
+ONNX Runtime's TensorRT engines are built before it reports ready), and compares the answers of
+``pipeline``, ``pipeline_ensemble`` and ``tag_pipeline`` with CPU ONNX Runtime on the same files,
+within the tolerances of the profile's arithmetic (``TOLERANCES``). On the ``gpu`` profile it also
+checks the GPU-tensor path (the orchestrator's stubs hold GPU memory with ``gpu_tensors`` on and
+none with it off; throughput with it on and off; GPU memory and stub memory flat over a short
+soak) and runs perf_analyzer on ``pipeline`` against ``pipeline_ensemble``. The report goes to
+``bench/results/gpu-check/`` (CSV, JSON, REPORT.md, as ``make bench`` writes them).
+
+On a host without a GPU it prints one line and exits 0: there is nothing to check. This module
+imports only the standard library until it knows it has a GPU (the dry run and that line run
+before any venv exists).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from tritonlocal import gpu
+
+ROOT = Path(__file__).resolve().parents[1]
+OUT = ROOT / "bench" / "results" / "gpu-check"
+PROFILES = ("gpu", "gpu-ort-trt", "gpu-trt")
+GPU_TENSORS_OFF = "pipeline_gpu_tensors_off"
+IMAGES = 32                 # images compared per profile (batches of 1 and of 8)
+SEQUENCES = 4               # tag_pipeline sequences compared per profile
+LOAD_SECONDS = 20           # throughput with gpu_tensors on, then off
+SOAK_SECONDS = 90           # the memory soak
+CONCURRENCY = 16
+PERF_CONCURRENCY = [1, 8, 32]
+BUDGET_SECONDS = 15 * 60
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    """How far a GPU answer may be from CPU ONNX Runtime's (FP32) on the same ONNX file.
+
+    * ``probs``: |served CLASS_PROBS / TAG_PROBS - CPU probability of the same class|.
+    * ``tie``: top-5 ids (and each token's tag) must equal the CPU's, except where the two
+      classes' CPU probabilities differ by at most ``tie``: a near-tie the GPU arithmetic may
+      order either way (a "flip", counted in the report, not a failure).
+    * ``embedding``: cosine similarity of EMBEDDING (L2-normalised) to the CPU's, at least.
+    """
+
+    arithmetic: str
+    probs: float
+    tie: float
+    embedding: float
+
+
+# ONNX Runtime's CUDA provider runs FP32 convolutions and matmuls in TF32 on Ampere and newer
+# (its `use_tf32` default): 10 mantissa bits, ~5e-4 relative per product, accumulated over ~50
+# layers. TensorRT's FP16 (gpu-ort-trt, gpu-trt) has the same mantissa and a narrower range, and
+# FP16 accumulation in places. First estimates, to be confirmed by the first GPU run (the report
+# prints the largest differences seen, so they can be tightened).
+TOLERANCES = {
+    "gpu": Tolerance("FP32 (TF32 on Ampere+)", probs=5e-3, tie=1e-2, embedding=0.999),
+    "gpu-ort-trt": Tolerance("FP16 (TensorRT)", probs=2e-2, tie=4e-2, embedding=0.99),
+    "gpu-trt": Tolerance("FP16 (TensorRT)", probs=2e-2, tie=4e-2, embedding=0.99),
+}
+
+
+@dataclass(frozen=True)
+class Step:
+    profile: str
+    name: str
+    what: str
+
+
+def plan(profiles=PROFILES, tensorrt_backend: Path | None = None) -> list[Step]:
+    """Every step the check runs, in order (what ``--dry-run`` prints)."""
+    steps = [Step("-", "host", "nvidia-smi: GPUs and driver (R580+ for onnxruntime-gpu's CUDA 13)")]
+    for profile in profiles:
+        t = TOLERANCES[profile]
+        steps.append(Step(profile, "render", "python -m modelgen.profiles --profile "
+                          f"{profile} into a directory of its own (+ {GPU_TENSORS_OFF})"))
+        if profile == "gpu-trt":
+            steps.append(Step(profile, "engines", "scripts/build_trt_engines.py: classifier_trt, "
+                              "embedder_trt on this GPU (timed)"))
+            if tensorrt_backend is None:
+                steps.append(Step(profile, "serve", "not run: the wheel ships no tensorrt backend "
+                                  "(give --tensorrt-backend DIR, or make test-container "
+                                  "BLS_PROFILE=gpu-trt)"))
+                continue
+        steps.append(Step(profile, "start", "tritonserver through tritonlocal's launcher, GPU "
+                          "build of the onnxruntime backend (timed: warm-up"
+                          + (", TensorRT engines built at load" if profile == "gpu-ort-trt" else "")
+                          + ")"))
+        steps.append(Step(profile, "correctness", f"{IMAGES} images through pipeline and "
+                          f"pipeline_ensemble, {SEQUENCES} sequences through tag_pipeline, against "
+                          f"CPU ONNX Runtime: {t.arithmetic}, probabilities within {t.probs:g}, "
+                          f"near-tie flips within {t.tie:g}, embedding cosine >= {t.embedding:g}"))
+        if profile == "gpu":
+            steps.append(Step(profile, "gpu-tensors", "pipeline's stubs hold GPU memory with "
+                              f"gpu_tensors on, none with {GPU_TENSORS_OFF} (nvidia-smi); "
+                              f"throughput on vs off, {LOAD_SECONDS} s each at concurrency "
+                              f"{CONCURRENCY}"))
+            steps.append(Step(profile, "soak", f"{SOAK_SECONDS} s at concurrency {CONCURRENCY}: "
+                              "GPU memory (nvidia-smi) and stub memory flat"))
+            steps.append(Step(profile, "perf", "perf_analyzer pipeline vs pipeline_ensemble, "
+                              f"concurrency {', '.join(map(str, PERF_CONCURRENCY))}"))
+    steps.append(Step("-", "report", f"{OUT.relative_to(ROOT)}/REPORT.md (+ CSV, JSON)"))
+    return steps
+
+
+# -- comparisons with CPU ONNX Runtime (pure numpy, unit-tested) ----------------------------------
+def softmax(logits):
+    import numpy as np
+
+    shifted = logits.astype(np.float64) - logits.max(axis=-1, keepdims=True)
+    exp = np.exp(shifted)
+    return exp / exp.sum(axis=-1, keepdims=True)
+
+
+def compare_top_k(reference, ids, probs, tolerance: Tolerance) -> tuple[list[str], int, float]:
+    """One image's served top-k (``ids``, ``probs``) against the CPU's probabilities over every
+    class (``reference``): (problems, near-tie flips, largest probability difference)."""
+    import numpy as np
+
+    expected = np.argsort(-reference, kind="stable")[: len(ids)]
+    problems, flips = [], 0
+    difference = float(np.max(np.abs(probs - reference[ids])))
+    if difference > tolerance.probs:
+        problems.append(f"probabilities differ by {difference:.2g} > {tolerance.probs:g}")
+    for rank, (served, wanted) in enumerate(zip(ids, expected)):
+        if served == wanted:
+            continue
+        gap = abs(float(reference[served] - reference[wanted]))
+        if gap <= tolerance.tie:
+            flips += 1
+        else:
+            problems.append(f"rank {rank + 1}: class {served} instead of {wanted} (CPU "
+                            f"probabilities {reference[served]:.4f} vs {reference[wanted]:.4f})")
+    return problems, flips, difference
+
+
+def compare_tags(reference, tags, tag_probs, tolerance: Tolerance) -> tuple[list[str], int, float]:
+    """One sequence's TAGS and TAG_PROBS against the CPU's per-token probabilities (``reference``,
+    [tokens, vocabulary]), with the same rules as ``compare_top_k`` for rank 1."""
+    import numpy as np
+
+    rows = np.arange(len(tags))
+    wanted = reference.argmax(axis=-1)
+    gaps = np.abs(reference[rows, tags] - reference[rows, wanted])
+    difference = float(np.max(np.abs(tag_probs - reference[rows, tags])))
+    problems = []
+    if difference > tolerance.probs:
+        problems.append(f"tag probabilities differ by {difference:.2g} > {tolerance.probs:g}")
+    wrong = np.flatnonzero((tags != wanted) & (gaps > tolerance.tie))
+    if wrong.size:
+        problems.append(f"{wrong.size} token(s) tagged differently, e.g. token {wrong[0]}: "
+                        f"{tags[wrong[0]]} instead of {wanted[wrong[0]]}")
+    return problems, int(((tags != wanted) & (gaps <= tolerance.tie)).sum()), difference
+
+
+def cosine(a, b) -> float:
+    import numpy as np
+
+    return float(np.dot(a, b) / (np.linalg.norm(a) * np.linalg.norm(b)))
+
+
+def flat(samples: list[float], allowed: float) -> tuple[bool, float]:
+    """Whether a series stayed flat: the mean of its last third exceeds the mean of its first
+    third by at most ``allowed`` (the growth, returned too)."""
+    third = max(1, len(samples) // 3)
+    growth = sum(samples[-third:]) / third - sum(samples[:third]) / third
+    return growth <= allowed, growth
+
+
+# -- the run ------------------------------------------------------------------------------------
+def gpu_memory_mib(run=subprocess.run) -> dict[int, float]:
+    """pid -> GPU memory (MiB) of every process with a CUDA context (nvidia-smi)."""
+    out = run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+              capture_output=True, text=True, timeout=30).stdout
+    used = {}
+    for line in out.splitlines():
+        pid, _, mib = line.partition(",")
+        if pid.strip().isdigit():
+            used[int(pid)] = float(mib.strip() or 0)
+    return used
+
+
+class Check:
+    """Runs the steps on a GPU host and collects the report's rows and lines."""
+
+    def __init__(self, host: gpu.Host, source: Path, tensorrt_backend: Path | None,
+                 profiles=PROFILES) -> None:
+        from bench import experiments
+
+        self.host, self.source, self.profiles = host, source, profiles
+        self.tensorrt_backend = tensorrt_backend
+        self.result = experiments.Result("gpu_check", f"GPU check on {host.describe()}")
+        self.failures: list[str] = []
+        self.skipped: list[str] = []
+        self._cpu, self._images, self._tags = None, [], {}
+        self.started = time.monotonic()
+
+    def line(self, text: str) -> None:
+        print(text, flush=True)
+        self.result.summary.append(text)
+
+    def verdict(self, profile: str, step: str, problems: list[str], detail: str = "") -> None:
+        self.result.rows.append({"profile": profile, "step": step, "ok": not problems,
+                                 "detail": detail, "problems": "; ".join(problems)})
+        mark = "ok" if not problems else "**FAILED**"
+        self.line(f"- `{profile}` {step}: {mark}{' — ' + detail if detail else ''}"
+                  + (f" ({'; '.join(problems[:3])})" if problems else ""))
+        self.failures += [f"{profile} {step}: {p}" for p in problems]
+
+    def run(self) -> int:
+        import tempfile
+
+        from bench import report
+
+        report.started(gpu_build=True)
+        with tempfile.TemporaryDirectory(prefix="gpu-check-") as tmp:
+            for profile in self.profiles:
+                try:
+                    self.profile(profile, Path(tmp))
+                except Exception as error:  # noqa: BLE001 - one profile's failure is reported, the others still run
+                    message = str(error).strip().splitlines()
+                    self.verdict(profile, "run", [f"{type(error).__name__}: "
+                                                  f"{message[0] if message else ''}"],
+                                 f"stopped; server log {OUT / f'tritonserver-{profile}.log'}")
+        self.line(f"- total: {time.monotonic() - self.started:.0f} s (budget {BUDGET_SECONDS} s)")
+        if self.skipped:
+            self.line("- **not checked**: " + "; ".join(self.skipped))
+        self.result.data = {"failures": self.failures, "skipped": self.skipped,
+                            "tolerances": {p: vars(t) for p, t in TOLERANCES.items()}}
+        report.write(self.result, OUT, self.triton_version, _NoSettings())
+        path = report.assemble(OUT, title="GPU check", generated_by="`make gpu-check` "
+                               "(`python -m bench.gpu_check`)")
+        print(f"report: {path}")
+        return 1 if self.failures else 0
+
+    triton_version = "?"
+
+    def profile(self, profile: str, tmp: Path) -> None:
+        from tritonlocal import launcher
+
+        self.line(f"\n### Profile `{profile}` ({TOLERANCES[profile].arithmetic})\n")
+        cache = ROOT / ".triton" / "gpu-check-cache"
+        repository = launcher.profile_repository(profile, self.source, tmp, cache)
+        add_gpu_tensors_off(repository)
+        backends = {}
+        if profile == "gpu-trt":
+            self.build_engines(repository, cache)
+            if self.tensorrt_backend is None:
+                self.skipped.append("gpu-trt served (the wheel ships no tensorrt backend; "
+                                    "--tensorrt-backend DIR or `make test-container BLS_PROFILE=gpu-trt`)")
+                return
+            backends["tensorrt"] = self.tensorrt_backend
+        options = launcher.on_free_ports(repository, OUT / f"tritonserver-{profile}.log", gpu=True,
+                                         ready_timeout=900.0, extra_backends=backends)
+        started = time.monotonic()
+        with launcher.TritonServer(options) as server:
+            seconds = time.monotonic() - started
+            self.triton_version = server.metadata().get("version", "?")
+            self.verdict(profile, "start", [], f"ready in {seconds:.0f} s")
+            self.correctness(profile, server)
+            if profile == "gpu":
+                self.gpu_tensors(server)
+                self.soak(server)
+                self.perf(server)
+
+    def build_engines(self, repository: Path, cache: Path) -> None:
+        from tritonlocal import launcher
+
+        from tritonlocal import backend_build
+
+        # TensorRT's libraries and Python bindings: the GPU runtime packages (make backend-gpu
+        # GPU_RUNTIME=1), not the venv.
+        libraries = launcher.gpu_library_path(os.environ.get("LD_LIBRARY_PATH", ""))
+        env = {**os.environ, "PYTHONPATH": str(backend_build.gpu_runtime()),
+               "LD_LIBRARY_PATH": libraries}
+        started = time.monotonic()
+        done = subprocess.run([sys.executable, str(ROOT / "scripts" / "build_trt_engines.py"),
+                               "--repository", str(repository), "--cache", str(cache / "engines")],
+                              capture_output=True, text=True, env=env)
+        seconds = time.monotonic() - started
+        problems = [] if done.returncode == 0 else [
+            (done.stderr or done.stdout).strip().splitlines()[-1:][0] if (done.stderr or done.stdout).strip()
+            else f"exit {done.returncode}"]
+        self.verdict("gpu-trt", "engines", problems, f"built or cached in {seconds:.0f} s")
+
+    def correctness(self, profile: str, server) -> None:
+        import numpy as np
+        import tritonclient.grpc as grpcclient
+
+        from bls_models import spec as S
+        from modelgen import nets
+
+        tolerance = TOLERANCES[profile]
+        cpu = self.cpu_reference()
+        client = grpcclient.InferenceServerClient(server.grpc_url)
+        images = nets.synthetic_images(IMAGES, seed=14).numpy()
+        expected = self.expected_images(cpu, images)
+        for model in ("pipeline", GPU_TENSORS_OFF, "pipeline_ensemble"):
+            problems, flips, worst, closest = [], 0, 0.0, 1.0
+            for batch in (1, 8):
+                for start in range(0, IMAGES, batch):
+                    result = infer(client, model, "IMAGE", images[start:start + batch], "UINT8",
+                                   ("CLASS_IDS", "CLASS_PROBS", "EMBEDDING"))
+                    for row in range(batch):
+                        probs, embedding = expected[start + row]
+                        found, flipped, difference = compare_top_k(
+                            probs, result.as_numpy("CLASS_IDS")[row],
+                            result.as_numpy("CLASS_PROBS")[row], tolerance)
+                        problems += found
+                        flips, worst = flips + flipped, max(worst, difference)
+                        closest = min(closest, cosine(result.as_numpy("EMBEDDING")[row], embedding))
+            if closest < tolerance.embedding:
+                problems.append(f"embedding cosine {closest:.5f} < {tolerance.embedding:g}")
+            self.verdict(profile, f"correctness {model}", problems,
+                         f"{IMAGES * 2} answers; largest probability difference {worst:.2g}, "
+                         f"lowest embedding cosine {closest:.5f}, {flips} near-tie flip(s)")
+        rng = np.random.default_rng(14)
+        tokens = rng.integers(0, S.TAGGER_VOCAB, (SEQUENCES, S.TAGGER_SEQ_LEN), dtype=np.int64)
+        result = infer(client, "tag_pipeline", "TOKENS", tokens, "INT64", ("TAGS", "TAG_PROBS"))
+        problems, flips, worst = [], 0, 0.0
+        for row in range(SEQUENCES):
+            reference = self.expected_tags(cpu, tokens, row)
+            found, flipped, difference = compare_tags(reference, result.as_numpy("TAGS")[row],
+                                                      result.as_numpy("TAG_PROBS")[row], tolerance)
+            problems, flips, worst = problems + found, flips + flipped, max(worst, difference)
+        self.verdict(profile, "correctness tag_pipeline", problems,
+                     f"{SEQUENCES} x {S.TAGGER_SEQ_LEN} tokens; largest probability difference "
+                     f"{worst:.2g}, {flips} near-tie flip(s)")
+
+    def cpu_reference(self):
+        """CPU ONNX Runtime on the same ONNX files (bench.clients.InProcess), made once."""
+        if self._cpu is None:
+            from bench import clients
+
+            self._cpu = clients.InProcess(self.source)
+        return self._cpu
+
+    def expected_images(self, cpu, images) -> list:
+        """(CPU softmax over every class, CPU embedding) per image: the same for every profile."""
+        if not self._images:
+            for image in images:
+                (pixels,) = cpu.sessions["preprocess"].run(None, {"IMAGE": image[None]})
+                (logits,) = cpu.sessions["classifier"].run(None, {"PIXELS": pixels})
+                (embedding,) = cpu.sessions["embedder"].run(None, {"PIXELS": pixels})
+                self._images.append((softmax(logits[0]), embedding[0]))
+        return self._images
+
+    def expected_tags(self, cpu, tokens, row: int):
+        if row not in self._tags:
+            self._tags[row] = softmax(cpu.tagger(tokens[row:row + 1])[0])
+        return self._tags[row]
+
+    def gpu_tensors(self, server) -> None:
+        from bench import clients
+        from modelgen import nets
+        from tritonlocal import load
+
+        image = nets.synthetic_images(1, seed=3).numpy()
+        throughput = {}
+        for model in ("pipeline", GPU_TENSORS_OFF):
+            answers = load.closed_loop_for(server.grpc_url, model, CONCURRENCY, image, LOAD_SECONDS,
+                                           timeout_us=clients.BUDGET_US)
+            throughput[model] = sum(a.code is None for a in answers) / LOAD_SECONDS
+        on_gpu = gpu_memory_mib()
+        holders = {model: [pid for pid in server.stub_pids(model) if pid in on_gpu]
+                   for model in ("pipeline", GPU_TENSORS_OFF)}
+        problems = []
+        if not holders["pipeline"]:
+            problems.append("no pipeline stub holds GPU memory: PIXELS did not stay on the GPU")
+        if holders[GPU_TENSORS_OFF]:
+            problems.append(f"{GPU_TENSORS_OFF}'s stubs hold GPU memory with gpu_tensors off")
+        ratio = throughput["pipeline"] / throughput[GPU_TENSORS_OFF] if throughput[GPU_TENSORS_OFF] else 0
+        self.verdict("gpu", "gpu-tensors", problems,
+                     f"{len(holders['pipeline'])} pipeline stub(s) with a CUDA context; throughput "
+                     f"on {throughput['pipeline']:.0f} / off {throughput[GPU_TENSORS_OFF]:.0f} "
+                     f"req/s = {ratio:.2f}")
+        self.result.rows.append({"profile": "gpu", "step": "throughput", "ok": True,
+                                 "detail": f"on {throughput['pipeline']:.1f}, off "
+                                           f"{throughput[GPU_TENSORS_OFF]:.1f} req/s", "problems": ""})
+
+    def soak(self, server) -> None:
+        import threading
+
+        from bench import clients
+        from modelgen import nets
+        from tritonlocal import load, procs
+
+        image = nets.synthetic_images(1, seed=4).numpy()
+        samples: dict[str, list[float]] = {"gpu": [], "stubs": []}
+        stop = threading.Event()
+
+        def sample() -> None:
+            while not stop.wait(3.0):
+                samples["gpu"].append(sum(gpu_memory_mib().values()))
+                samples["stubs"].append(sum(procs.memory_mib(pid)["RssAnon"]
+                                          for pid in server.stub_pids("pipeline")))
+
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
+        try:
+            answers = load.closed_loop_for(server.grpc_url, "pipeline", CONCURRENCY, image,
+                                           SOAK_SECONDS, timeout_us=clients.BUDGET_US)
+        finally:
+            stop.set()
+            sampler.join()
+        errors = sum(a.code is not None for a in answers)
+        gpu_flat, gpu_growth = flat(samples["gpu"], allowed=64.0)
+        stubs_flat, stubs_growth = flat(samples["stubs"], allowed=32.0)
+        problems = ([f"{errors} errors"] if errors else []) + (
+            [] if gpu_flat else [f"GPU memory grew {gpu_growth:.0f} MiB"]) + (
+            [] if stubs_flat else [f"pipeline stubs grew {stubs_growth:.0f} MiB"])
+        self.verdict("gpu", "soak", problems, f"{len(answers)} requests; GPU memory "
+                     f"{gpu_growth:+.0f} MiB, stub memory {stubs_growth:+.0f} MiB (first vs last "
+                     "third; allowed +64 / +32)")
+
+    def perf(self, server) -> None:
+        from bench import perf
+
+        # A short run: 2 s windows, up to 6 trials, stable within 25 % (the benchmark's 15 % did
+        # not settle at concurrency 8 and 32 in a CPU rehearsal of this step).
+        settings = perf.Settings(window_ms=2000, stability=25, max_trials=6)
+        for model in ("pipeline", "pipeline_ensemble"):
+            self.result.add_run(model, perf.run(model, server.grpc_url, PERF_CONCURRENCY, settings))
+        best = {m: max((r["throughput"] for r in self.result.rows if r.get("variant") == m), default=0)
+                for m in ("pipeline", "pipeline_ensemble")}
+        ratio = best["pipeline"] / best["pipeline_ensemble"] if best["pipeline_ensemble"] else 0
+        self.line(f"- `gpu` perf_analyzer: best throughput pipeline {best['pipeline']:.0f}, "
+                  f"ensemble {best['pipeline_ensemble']:.0f} infer/s = **{ratio:.2f}**")
+
+
+class _NoSettings:
+    quick = False
+
+
+def infer(client, model: str, name: str, data, dtype: str, outputs):
+    import tritonclient.grpc as grpcclient
+
+    tensor = grpcclient.InferInput(name, list(data.shape), dtype)
+    tensor.set_data_from_numpy(data)
+    return client.infer(model, [tensor], outputs=[grpcclient.InferRequestedOutput(o) for o in outputs],
+                        client_timeout=120)
+
+
+def add_gpu_tensors_off(repository: Path) -> None:
+    """``pipeline`` with ``gpu_tensors: "off"`` beside it (its baseline), in a rendered profile."""
+    from google.protobuf import text_format
+
+    from modelgen import configs
+
+    config = configs.parse_pbtxt((repository / "pipeline" / "config.pbtxt").read_text())
+    config.name = GPU_TENSORS_OFF
+    config.parameters["gpu_tensors"].string_value = "off"
+    (repository / GPU_TENSORS_OFF / "1").mkdir(parents=True)
+    (repository / GPU_TENSORS_OFF / "config.pbtxt").write_text(text_format.MessageToString(config))
+    (repository / GPU_TENSORS_OFF / "1" / "model.py").symlink_to(
+        (repository / "pipeline" / "1" / "model.py").resolve())
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.gpu_check", description=__doc__.splitlines()[0])
+    parser.add_argument("--dry-run", action="store_true", help="list the steps; run nothing")
+    parser.add_argument("--profile", action="append", choices=PROFILES,
+                        help="check only this profile (repeatable; default: all)")
+    parser.add_argument("--model-repository", type=Path, default=ROOT / "model_repository")
+    parser.add_argument("--tensorrt-backend", type=Path,
+                        help="a directory holding Triton's tensorrt backend (libtriton_tensorrt.so) "
+                             "for the wheel's server, to serve gpu-trt; without it gpu-trt's "
+                             "engines are built and timed, and serving it is reported as not run")
+    args = parser.parse_args(argv)
+    profiles = tuple(args.profile or PROFILES)
+    if args.dry_run:
+        for number, step in enumerate(plan(profiles, args.tensorrt_backend), 1):
+            print(f"{number:2}. [{step.profile}] {step.name}: {step.what}")
+        print("dry run: nothing was run")
+        return 0
+    try:
+        host = gpu.probe()
+    except gpu.NoGpu as error:
+        print(f"gpu-check: {error}; nothing to check on this host.")
+        return 0
+    try:
+        gpu.require("gpu")
+    except gpu.NoGpu as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    print(f"gpu-check: {host.describe()}", flush=True)
+    return Check(host, args.model_repository, args.tensorrt_backend, profiles).run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
