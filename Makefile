@@ -120,14 +120,16 @@ docker-build: ## Build the NGC-based server image and its test image (Docker; no
 	docker build --target server -t $(IMAGE) .
 	docker build --target test -t $(TEST_IMAGE) .
 
-# The repository is mounted read-only over the image's copy, with its full-size models; engines
-# persist in the $(CACHE_VOLUME) volume; ports are published on $(PUBLISH_HOST).
-docker-run: MODEL_SIZE = full
-docker-run: models ## Serve in the container on GPUs (BLS_PROFILE, SHM_SIZE, PUBLISH_HOST)
+# The image serves its own full-size models (the Dockerfile's export stage): nothing of this
+# checkout is needed on the host, not even Python (a GPU host's Python 3.10 cannot install the
+# local pins). REPOSITORY_MOUNT=<dir> mounts a repository of the host's read-only over the image's
+# copy instead. Engines persist in the $(CACHE_VOLUME) volume; ports are published on $(PUBLISH_HOST).
+REPOSITORY_MOUNT ?=
+docker-run: ## Serve in the container on GPUs (BLS_PROFILE, SHM_SIZE, PUBLISH_HOST, REPOSITORY_MOUNT)
 	docker run --rm -it --gpus $(GPUS) --shm-size=$(SHM_SIZE) --security-opt=no-new-privileges \
 	    -p $(PUBLISH_HOST):8000:8000 -p $(PUBLISH_HOST):8001:8001 -p $(PUBLISH_HOST):8002:8002 \
 	    -e BLS_PROFILE=$(BLS_PROFILE) -v $(CACHE_VOLUME):/var/cache/bls \
-	    -v $(CURDIR)/$(MODEL_REPOSITORY):/opt/bls/model_repository:ro $(IMAGE)
+	    $(if $(REPOSITORY_MOUNT),-v $(abspath $(REPOSITORY_MOUNT)):/opt/bls/model_repository:ro) $(IMAGE)
 
 test-container: ## Run the test suite inside the test image against its own server (GPU host)
 	docker run --rm --gpus $(GPUS) --shm-size=$(TEST_SHM_SIZE) --security-opt=no-new-privileges \

@@ -173,6 +173,17 @@ def test_the_container_targets_keep_gpu_as_their_default_profile():
     assert "-e BLS_PROFILE=gpu " in plan
 
 
+def test_docker_run_needs_nothing_of_the_checkout_on_the_host():
+    """On a GPU host the Makefile only runs docker: no venv, pip, apt or model export (the host's
+    Python 3.10 cannot install the local pins; the image has its own models)."""
+    plan = make("-n", "docker-run").stdout
+    assert plan.startswith("docker run ") and plan.count("docker run") == 1, plan
+    assert not [word for word in ("pip install", ".venv", "modelgen", "apt-get") if word in plan], plan
+    assert "/opt/bls/model_repository" not in plan, "the image's own models are served"
+    mounted = make("-n", "docker-run", "REPOSITORY_MOUNT=model_repository").stdout
+    assert f"-v {ROOT / 'model_repository'}:/opt/bls/model_repository:ro" in mounted
+
+
 def server_command(**options) -> list[str]:
     server = launcher.TritonServer(launcher.ServerOptions(ROOT / "model_repository", **options))
     return server.command(Path("/bin/tritonserver"), ROOT / "model_repository", Path("/b"), [])
