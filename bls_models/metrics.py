@@ -76,9 +76,15 @@ def le(bound: float) -> str:
     return "+Inf" if math.isinf(bound) else f"{bound:.16g}"  # 0.0025, 1, 10
 
 
+# Each histogram family's bucket upper bounds, ``+Inf`` last (computed once: ``observe`` is on
+# every request's path).
+_BOUNDS = {family: (*BUCKETS.get(family, LATENCY_BUCKETS), math.inf)
+           for family, (kind, _) in FAMILIES.items() if kind == "HISTOGRAM"}
+
+
 def bounds(family: str) -> tuple[float, ...]:
     """A histogram family's bucket upper bounds, ``+Inf`` last."""
-    return (*BUCKETS.get(family, LATENCY_BUCKETS), math.inf)
+    return _BOUNDS[family]
 
 
 def exposed(family: str) -> list[tuple[str, str]]:
@@ -151,11 +157,12 @@ class Metrics:
     def observe(self, family: str, value: float, **labels: str) -> None:
         """Histograms: kept locally, published by the next ``flush(histograms=True)``."""
         key = (family, *sorted(labels.items()))
+        limits = bounds(family)
         pending = self._observed.get(key)
         if pending is None:
-            pending = self._observed[key] = _Observations(len(bounds(family)))
+            pending = self._observed[key] = _Observations(len(limits))
         # The first bucket whose bound is >= value (Prometheus' `le`); +Inf takes the rest.
-        pending.counts[bisect.bisect_left(bounds(family), value)] += 1
+        pending.counts[bisect.bisect_left(limits, value)] += 1
         pending.total += value
 
     def increment(self, family: str, value: float = 1.0, **labels: str) -> None:
