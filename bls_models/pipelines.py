@@ -45,24 +45,27 @@ def reduce_tags(logits: np.ndarray, chunk: int = 32) -> tuple[np.ndarray, np.nda
     """Per-token argmax (INT64) and its softmax probability (FP32) from [B, T, vocab] logits.
 
     Sends 2 x 4 bytes per token instead of 14 041 x 4: 4 KB instead of 28.7 MB per sequence.
-    Works ``chunk`` tokens at a time in one reused float32 buffer (1.8 MB at 32 tokens, within
-    the caches). Measured per sequence: 6 ms on one dev host, where the straightforward version
-    (fresh temporaries, a float64 sum, 57 MB of temporaries the allocator kept) took 31 ms; 19 ms
-    on a slower, AVX2-only host, where 64-token chunks took 27 ms. The work is memory-bound: it
-    reads all 28.7 MB at least twice.
+    Works one sequence and ``chunk`` tokens at a time in one reused float32 buffer (1.8 MB at 32
+    tokens, within the caches). Measured per sequence: 6 ms on one dev host, where the
+    straightforward version (fresh temporaries, a float64 sum, 57 MB of temporaries the allocator
+    kept) took 31 ms; 19 ms on a slower, AVX2-only host, where 64-token chunks took 27 ms. The
+    work is memory-bound: it reads all 28.7 MB at least twice. The buffer's size does not depend
+    on the batch: coalesced groups of 1 to 4 sequences had made it 1.8 to 7.2 MB, sizes the
+    allocator's threads kept a growing mix of (+90 MiB on one stub over 3 000 requests).
     """
     batch, tokens, vocab = logits.shape
     tags = np.empty((batch, tokens), np.int64)
     probs = np.empty((batch, tokens), np.float32)
-    buffer = np.empty((batch, min(chunk, tokens), vocab), np.float32)
-    for start in range(0, tokens, chunk):
-        part = logits[:, start:start + chunk]
-        scratch = buffer[:, :part.shape[1]]
-        tags[:, start:start + chunk] = part.argmax(axis=-1)
-        # p(argmax) = exp(l_max) / sum(exp(l)) = 1 / sum(exp(l - l_max))
-        np.subtract(part, part.max(axis=-1, keepdims=True), out=scratch)
-        np.exp(scratch, out=scratch)
-        probs[:, start:start + chunk] = 1.0 / scratch.sum(axis=-1)
+    buffer = np.empty((min(chunk, tokens), vocab), np.float32)
+    for row in range(batch):
+        for start in range(0, tokens, chunk):
+            part = logits[row, start:start + chunk]
+            scratch = buffer[:part.shape[0]]
+            tags[row, start:start + chunk] = part.argmax(axis=-1)
+            # p(argmax) = exp(l_max) / sum(exp(l)) = 1 / sum(exp(l - l_max))
+            np.subtract(part, part.max(axis=-1, keepdims=True), out=scratch)
+            np.exp(scratch, out=scratch)
+            probs[row, start:start + chunk] = 1.0 / scratch.sum(axis=-1)
     return tags, probs
 
 
@@ -105,8 +108,9 @@ async def tag_pipeline(inputs: dict[str, np.ndarray], call: SubModelCall,
     The 28.7 MB-per-sequence logits never leave the server. When the tagger stage's model meets
     the ``tagger_tags`` contract (the default; ``setup.contracts``), it computes TAGS and
     TAG_PROBS in its own graph, so the logits never leave ONNX Runtime either. A model with the
-    tagger's LOGITS instead has them reduced where they land (no copy): the caller runs the
-    reduction on the sub-response's memory, off the event loop.
+    tagger's LOGITS instead has them reduced as they arrive, off the event loop, from the copy
+    the python backend makes of every sub-response output (``subrequests.owns_memory``); no
+    copy of them is made here.
     """
     tokens = inputs[S.TOKENS.name]
     validate_tokens(tokens)

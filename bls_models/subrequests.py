@@ -45,8 +45,23 @@ def take_outputs(pb_utils, response, names, keep, views: dict, devices: dict) ->
         if name in keep and not tensor.is_cpu():
             devices[name] = DeviceTensor(pb_utils.Tensor.from_dlpack(name, tensor.to_dlpack()))
         else:
-            views[name] = tensor.as_numpy()  # a view of the response's memory: never of a GPU one
+            views[name] = tensor.as_numpy()  # CPU memory: never a GPU one's
     return None
+
+
+def owns_memory(array: np.ndarray) -> bool:
+    """Whether ``array``'s memory was allocated by numpy (for it or an array it views), not
+    borrowed from a foreign buffer such as a response's shared memory.
+
+    The python backend (r24.10, ``PbTensor``'s constructors in the stub) builds a CPU output's
+    numpy array with ``py::array(dtype, dims, ptr)`` and no base, which pybind11 answers with a
+    copy: ``as_numpy()`` of a sub-response's output is already the stub's own memory, copied while
+    the response loads (the stub's private memory grows by the output's size during ``exec``,
+    measured). Copying it again cost a memcpy and an allocation per output. A build that hands out
+    views of the shared memory instead gets the copy, because such an array does not own it."""
+    while isinstance(array, np.ndarray) and not array.flags.owndata:
+        array = array.base
+    return isinstance(array, np.ndarray)
 
 
 class DeviceTensor:
@@ -202,7 +217,7 @@ class SubRequests:
         pb = self.pb
         model = self.config.stage(stage).model
         # Pass-through outputs stay on the GPU with gpu_tensors on; everything else comes back in
-        # CPU memory, where it is copied into numpy (or reduced in place).
+        # CPU memory, as numpy arrays the stub owns (``owns_memory``), or reduced from them.
         on_device = self.config.gpu_tensors and bool(self.pass_through.get(stage))
         with self.lock:
             request = pb.InferenceRequest(
@@ -251,8 +266,9 @@ class SubRequests:
     def _exec(self, handoff: list, expires: float, output_names: list[str],
               reduce: Reduce | None, keep: set[str] = frozenset(),
               stage_lock: StageLock | None = None) -> Outcome:
-        """On a sub-request thread: send, wait, then turn the outputs into plain numpy arrays
-        (copies, or whatever ``reduce`` computes from them in place). Outputs named in ``keep``
+        """On a sub-request thread: send, wait, then turn the outputs into plain numpy arrays the
+        stub owns (``owns_memory``: the backend's own copies, else copies made here), or whatever
+        ``reduce`` computes from them. Outputs named in ``keep``
         that arrive in GPU memory stay there, as ``DeviceTensor``s. With ``stage_lock``, the
         sub-request is out only while holding it shared (not sent at all if another instance's
         isolation outlasts its deadline)."""
@@ -281,8 +297,9 @@ class SubRequests:
             # Outside the lock: numpy only, on memory the response keeps alive until the end.
             if reduce is not None:
                 return Outcome(outputs={**reduce(views), **devices})
-            return Outcome(outputs={**{name: view.copy() for name, view in views.items()},
-                                    **devices})
+            return Outcome(outputs={
+                **{name: view if owns_memory(view) else view.copy() for name, view in views.items()},
+                **devices})
         except Exception as error:  # noqa: BLE001 - exec itself raised (e.g. stub errors)
             with self.lock:
                 for device in devices.values():

@@ -25,9 +25,9 @@ Design (docs/orchestrator.md has the measurements behind it):
   except the blocking wait inside ``exec`` itself (holding it there would serialise
   sub-requests; concurrent ``exec`` is what the backend's own ``async_exec`` does). Python
   objects that wrap backend memory are created and destroyed under the lock. A sub-response's
-  outputs are turned into plain numpy arrays (copied, or reduced in place as the tagger's 28.7 MB
-  logits are) on the sub-request's thread while the response is still alive, so nothing that
-  points into shared memory outlives its owner.
+  outputs are turned into numpy arrays the stub owns (the python backend's own copies, or
+  reduced from them as the tagger's 28.7 MB logits are) on the sub-request's thread while the
+  response is still alive, so nothing that points into shared memory outlives its owner.
 * **Deadlines.** Each sub-request gets the request's remaining budget (capped by its stage's
   timeout) twice: as its Triton ``timeout`` (so the sub-model's queue drops it) and as a limit on
   the wait here (so a sub-request that is already running cannot hold the request). A sub-request
