@@ -52,28 +52,26 @@ def _embedder_answers(owned: bool):
     return models, scratch, handed_out
 
 
-def test_an_output_borrowing_the_responses_memory_is_copied_before_the_response_goes(made):
-    models, scratch, handed_out = _embedder_answers(owned=False)
+def _answered_embedding(made, models, request_id: str) -> np.ndarray:
     pb = FakePbUtils(models)
     made.append(orch := orchestrator(pb))
-    request = Request(image(1), request_id="borrowed")
+    request = Request(image(1), request_id=request_id)
     orch.execute([request])
     wait_answered([request])
-    scratch[:] = bytes(len(scratch))   # the shared memory is reused once the response is gone
     (response,) = request.sender.sent
-    embedding = next(t for t in response.output_tensors if t.name() == S.EMBEDDING.name)
-    assert (embedding.as_numpy() == 1).all()
-    assert not np.shares_memory(embedding.as_numpy(), handed_out[0])
+    return next(t for t in response.output_tensors if t.name() == S.EMBEDDING.name).as_numpy()
+
+
+def test_an_output_borrowing_the_responses_memory_is_copied_before_the_response_goes(made):
+    models, scratch, handed_out = _embedder_answers(owned=False)
+    embedding = _answered_embedding(made, models, "borrowed")
+    scratch[:] = bytes(len(scratch))   # the shared memory is reused once the response is gone
+    assert (embedding == 1).all()
+    assert not np.shares_memory(embedding, handed_out[0])
 
 
 def test_an_output_the_stub_owns_is_not_copied_again(made):
     models, _, handed_out = _embedder_answers(owned=True)
-    pb = FakePbUtils(models)
-    made.append(orch := orchestrator(pb))
-    request = Request(image(1), request_id="owned")
-    orch.execute([request])
-    wait_answered([request])
-    (response,) = request.sender.sent
-    embedding = next(t for t in response.output_tensors if t.name() == S.EMBEDDING.name)
-    assert (embedding.as_numpy() == 1).all()
-    assert np.shares_memory(embedding.as_numpy(), handed_out[0])
+    embedding = _answered_embedding(made, models, "owned")
+    assert (embedding == 1).all()
+    assert np.shares_memory(embedding, handed_out[0])
