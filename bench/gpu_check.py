@@ -277,9 +277,7 @@ class Check:
                 self.perf(server)
 
     def build_engines(self, repository: Path, cache: Path) -> None:
-        from tritonlocal import launcher
-
-        from tritonlocal import backend_build
+        from tritonlocal import backend_build, launcher
 
         # TensorRT's libraries and Python bindings: the GPU runtime packages (make backend-gpu
         # GPU_RUNTIME=1), not the venv.
@@ -291,9 +289,9 @@ class Check:
                                "--repository", str(repository), "--cache", str(cache / "engines")],
                               capture_output=True, text=True, env=env)
         seconds = time.monotonic() - started
+        said = (done.stderr or done.stdout).strip()
         problems = [] if done.returncode == 0 else [
-            (done.stderr or done.stdout).strip().splitlines()[-1:][0] if (done.stderr or done.stdout).strip()
-            else f"exit {done.returncode}"]
+            said.splitlines()[-1] if said else f"exit {done.returncode}"]
         self.verdict("gpu-trt", "engines", problems, f"built or cached in {seconds:.0f} s")
 
     def correctness(self, profile: str, server) -> None:
@@ -492,7 +490,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"gpu-check: {error}; nothing to check on this host.")
         return 0
     try:
-        gpu.require("gpu")
+        gpu.require("gpu", host=host)
     except gpu.NoGpu as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

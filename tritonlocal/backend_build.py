@@ -294,16 +294,19 @@ def _pins_key(packages: tuple[str, ...]) -> str:
     return hashlib.sha256("\n".join(sorted(packages)).encode()).hexdigest()[:12]
 
 
+def _packages_dir(cache: Path, kind: str, packages: tuple[str, ...]) -> Path:
+    return Path(cache) / "packages" / f"{kind}-{_pins_key(packages)}"
+
+
 def pip_install(packages: tuple[str, ...], cache: Path, kind: str) -> Path:
     """``<cache>/packages/<kind>-<hash of the pins>``: ``packages`` installed there once with pip
     (``--no-deps --target``: exactly these pins, nothing of the venv touched; onnxruntime-gpu
     and the venv's onnxruntime would otherwise overwrite each other's files)."""
-    key = _pins_key(packages)
-    target = cache / "packages" / f"{kind}-{key}"
+    target = _packages_dir(cache, kind, packages)
     if (target / ".installed").is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    partial = Path(tempfile.mkdtemp(prefix=f"{kind}-{key}.", suffix=".partial", dir=target.parent))
+    partial = Path(tempfile.mkdtemp(prefix=f"{target.name}.", suffix=".partial", dir=target.parent))
     log = cache / f"pip-{kind}.log"
     _log(f"installing {len(packages)} package(s) with pip into {target} (once; log {log})")
     try:
@@ -356,7 +359,7 @@ def install_gpu_runtime(cache: Path) -> Path:
 
 def gpu_runtime(cache: Path | None = None) -> Path | None:
     """Where ``install_gpu_runtime`` installed the current pins, or None."""
-    root = Path(cache or default_cache(gpu=True)) / "packages" / f"runtime-{_pins_key(GPU_RUNTIME_PACKAGES)}"
+    root = _packages_dir(cache or default_cache(gpu=True), "runtime", GPU_RUNTIME_PACKAGES)
     return root if (root / ".installed").is_file() else None
 
 
@@ -376,20 +379,13 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _first_line(command: list[str]) -> str:
+def _output_line(command: list[str], index: int = 0) -> str:
+    """Line ``index`` of what ``command`` prints (a tool's version), "missing" or "unknown"."""
     try:
         out = subprocess.run(command, capture_output=True, text=True, timeout=30).stdout
     except OSError:
         return "missing"
-    return out.splitlines()[0] if out else "unknown"
-
-
-def _last_line(command: list[str]) -> str:
-    try:
-        out = subprocess.run(command, capture_output=True, text=True, timeout=30).stdout
-    except OSError:
-        return "missing"
-    return out.splitlines()[-1] if out else "unknown"
+    return out.splitlines()[index] if out else "unknown"
 
 
 def describe(inputs: Inputs) -> dict:
@@ -405,11 +401,11 @@ def describe(inputs: Inputs) -> dict:
         "library": {"version": inputs.library.version, "sha256": _sha256(inputs.library.path)},
         "server_library": inputs.server_library,
         "cmake_options": list(GPU_OPTIONS if inputs.gpu else CMAKE_OPTIONS),
-        "compiler": _first_line(["g++", "--version"]),
-        "cmake": _first_line(["cmake", "--version"]),
+        "compiler": _output_line(["g++", "--version"]),
+        "cmake": _output_line(["cmake", "--version"]),
         # (Only GPU builds have these keys: a CPU build's key is what it was before them.)
         **({"gpu": {"packages": list(gpu_build_packages()),
-                    "nvcc": _last_line([str(inputs.cuda / "bin" / "nvcc"), "--version"]),
+                    "nvcc": _output_line([str(inputs.cuda / "bin" / "nvcc"), "--version"], -1),
                     "cuda_architectures": CUDA_ARCHITECTURES,
                     "providers": {p.name: _sha256(p) for p in inputs.providers}}}
            if inputs.gpu else {}),

@@ -78,9 +78,9 @@ def probe(run=subprocess.run) -> Host:
         raise NoGpu(f"cannot read nvidia-smi's answer: {out.stdout.strip()[:200]}") from None
 
 
-def require(profile: str, run=subprocess.run) -> Host | None:
-    """None for the CPU profile; the host for a GPU profile it can serve. Raises ``NoGpu`` with a
-    message that says what to do instead."""
+def require(profile: str, run=subprocess.run, host: Host | None = None) -> Host | None:
+    """None for the CPU profile; the host for a GPU profile it can serve (``host``: already
+    probed). Raises ``NoGpu`` with a message that says what to do instead."""
     if profile == "portable":
         return None
     if profile in CONTAINER_ONLY:
@@ -91,7 +91,7 @@ def require(profile: str, run=subprocess.run) -> Host | None:
         raise NoGpu(f"BLS_PROFILE must be one of {', '.join(LOCAL_PROFILES)} for `make serve` "
                     f"(got '{profile}')")
     try:
-        host = probe(run)
+        host = host or probe(run)
     except NoGpu as error:
         raise NoGpu(f"BLS_PROFILE={profile} needs an NVIDIA GPU: {error}. On this host serve "
                     "the CPU profile: `make serve` (BLS_PROFILE=portable)") from None
