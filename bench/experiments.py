@@ -26,8 +26,9 @@ SHM_OUTPUT_BYTES = 4 * 512 * 14041 + 1024  # one tagger output (28.7 MB) for per
 LONG_DEADLINE_PIPELINE = "pipeline_deadline_120s"
 LOGITS_TAG_PIPELINE = "tag_pipeline_logits"  # tag_pipeline over `tagger`: reduced in the stub
 # `pipeline` admitting what this machine answers within about a second (~70 req/s): 2 x 8 in
-# flight (plus a batch of 16 being handed over) and a queue of 16, 64 in all, against the
-# committed 2 x 512 in flight and a queue of 4 096.
+# flight (plus a batch of 16 being handed over), no queue in the orchestrator and a queue of 16
+# in Triton, 64 in all, against the committed 2 x (512 in flight + 512 queued) and a queue of
+# 4 096.
 SHEDDING_PIPELINE = "pipeline_shed"
 ACCOUNTING_CONCURRENCY = 16  # both cores busy for every way of serving the pipeline
 SERVER_ROW = "tritonserver, with the ONNX models (C++ onnxruntime backend)"
@@ -92,7 +93,7 @@ def variant_specs(repository: Path) -> list[tuple[S.ModelSpec, str]]:
     shedding = dataclasses.replace(
         S.PIPELINE, name=SHEDDING_PIPELINE,
         parameters={**S.PIPELINE.parameters, "max_inflight_requests": "8",
-                    "stage_model_repositories": str(repository)},
+                    "max_queued_requests": "0", "stage_model_repositories": str(repository)},
         batching=dataclasses.replace(S.PIPELINE.batching, max_queue_size=16))
     return ([(sequential, "pipeline"), (budget, "pipeline"), (logits, "tag_pipeline"),
              (shedding, "pipeline")]

@@ -1,87 +1,136 @@
 """Coalescing: one sub-request per stage for the requests that reach it together.
 
-A stage's ``Coalescer`` sends a member (one request's sub-request) as soon as the event loop's
-current turn ends, while fewer than ``max_in_flight`` sub-requests to the stage are out: at
-concurrency 1 nothing waits for company. Members that arrive in the same turn (e.g. the rows of
-one group coming back from the previous stage) go together; members that arrive while the stage
-is busy queue, and the next free slot takes them all as one group (batch-while-busy, no timer): their inputs concatenated along the batch axis, up to the
-stage model's ``max_batch_size`` rows; the outputs split back by rows.
+A stage's ``Coalescer`` sends a member (one request's ``Part`` of a sub-request) as soon as the
+event loop's current turn ends, while fewer than ``max_in_flight`` sub-requests to the stage are
+out: at concurrency 1 nothing waits for company. Members that arrive in the same turn (e.g. the
+rows of one group coming back from the previous stage) go together; members that arrive while
+the stage is busy queue, and the next free slot takes them all as one group (batch-while-busy, no
+timer), up to the stage model's ``max_batch_size`` rows. Only members whose inputs have the same
+names, trailing shapes and dtypes, and which ask for the same outputs, go together.
+
+``send(parts, output_names)`` (the runtime's ``SubRequests.send``) sends a group and answers one
+``Outcome`` per part: it concatenates the parts still within their limits when a thread actually
+sends, splits the outputs back by rows, and applies each part's own ``reduce``.
 
 Every member keeps its own semantics:
 
-* **Deadline.** Each member waits with its own limit; one whose limit passes gets ``None`` (the
-  caller answers its deadline error) while its group goes on. A queued member whose limit passes
-  leaves the queue and is never sent. The group's sub-request gets the latest limit of its
-  members.
-* **Isolation.** A sub-request that fails with an error one bad item can cause (the onnxruntime
-  backend runs a batch as one call, so one bad item fails all) has its members re-sent one at a
-  time, each within its own limit: the culprit gets its own error, the others their results.
-  This covers the sub-model's own dynamic batcher too, which may have put a lone member with
-  another request's bad item: a failed group of one is re-sent once.
-
+* **Exactly one result, whatever raises.** A group that fails in any way settles every member at
+  once: with the sub-model's error, or as an internal failure of the stage (logged) when the
+  coalescer or the runtime raised.
+* **Deadline.** Each member waits with its own limit; one whose limit passes is let go (its
+  caller answers the deadline error) while its group goes on. A member whose limit passed before
+  its group is sent is never sent.
+* **Isolation.** A sub-request that fails with an error one bad item can cause (``Kind.INVALID``:
+  the onnxruntime backend runs a batch as one call, so one bad item fails all) has its members
+  re-sent one at a time, each within its own limit: the culprit gets its own error, the others
+  their results. This covers the sub-model's own dynamic batcher too, which may have put a lone
+  member with another request's bad item: a failed group of one is re-sent once. Re-sends are
+  paid from an ``IsolationBudget``, so a stage that rejects every request is not sent every
+  request twice.
 * **No head-of-line blocking.** A sub-request out for longer than ``STRAGGLER_FACTOR`` times the
   stage's median duration (of its last ``DURATIONS`` sub-requests) gives its slot back: a
   request stuck in a slow sub-model does not hold up the members queued behind it.
 
-Pure asyncio and numpy: ``send`` (the runtime's single sub-request) is passed in, so the logic is
-unit-tested without Triton (tests/unit/test_coalescing.py). Runs on the runtime's event loop.
+Nothing here grows with traffic: queues exist only while they hold members, durations are a
+bounded window. Pure asyncio and numpy (``send`` is passed in), unit-tested without Triton
+(tests/unit/test_coalescing.py). Runs on the runtime's event loop.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+import traceback
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import AsyncContextManager, Awaitable, Callable
-
-import numpy as np
-
 # A sub-request out this many times the stage's median duration is a straggler: its slot goes
 # to the next group. Before any duration is known, FIRST_STRAGGLER_SECONDS.
 STRAGGLER_FACTOR = 3.0
 STRAGGLER_MIN_SECONDS = 0.005
 FIRST_STRAGGLER_SECONDS = 0.1
 DURATIONS = 32
+# Isolation re-sends a stage may make: one per ISOLATION_EARNED_PER_SUCCESS^-1 members answered
+# from a group that succeeded, at most ISOLATION_BUDGET_GROUPS full groups' worth in reserve.
+ISOLATION_EARNED_PER_SUCCESS = 0.5
+ISOLATION_BUDGET_GROUPS = 1
 
-# send(inputs, output_names, reduce, limit_seconds, request_id) -> (outcome, timed_out): the
-# runtime's one sub-request; ``outcome`` has .outputs, .error, .expired (subrequests.Outcome).
-Send = Callable[..., Awaitable[tuple[object, bool]]]
+
+@dataclass(eq=False)
+class Part:
+    """One request's share of a sub-request: its inputs (rows along the first axis), when its
+    limit ends (``time.monotonic``), its request id and how its outputs are reduced."""
+
+    inputs: dict[str, object]
+    rows: int
+    expires: float
+    request_id: str = ""
+    reduce: Callable | None = None
+
+
+@dataclass
+class Outcome:
+    """A part's result: ``outputs``, or ``error`` (the sub-model's message: classified), or
+    ``internal`` (the orchestrator's own failure in the stage: logged, never classified), or
+    ``expired`` (its limit passed before it was sent, or while it was out)."""
+
+    outputs: dict | None = None
+    error: str | None = None
+    internal: bool = False
+    expired: bool = False
+
+
+EXPIRED = Outcome(expired=True)
+INTERNAL = Outcome(internal=True)
+
+# send(parts, output_names) -> (one Outcome per part, timed_out): ``timed_out`` when the wait
+# for the sub-request gave up at the latest part's limit (every part is then expired).
+Send = Callable[[list[Part], list[str]], Awaitable[tuple[list[Outcome], bool]]]
 
 
 @dataclass(eq=False)
 class Member:
-    inputs: dict[str, np.ndarray]
-    rows: int
-    expires: float          # monotonic time its stage limit ends
-    request_id: str
+    part: Part
     future: asyncio.Future
-    queued: bool = True
 
 
-@dataclass
-class GroupStats:
-    """What a coalescer did, for metrics and tests."""
+class IsolationBudget:
+    """Re-sends a stage's isolations may make. Earned by members answered from a group that
+    succeeded (a stage that fails every request earns nothing), kept up to ``capacity``; an
+    isolation of ``n`` members spends ``n`` or does not happen (its members then get the group's
+    error). So a stage's isolation re-sends never exceed ``capacity`` plus
+    ``ISOLATION_EARNED_PER_SUCCESS`` times its successful members."""
 
-    sizes: list[int] = field(default_factory=list)  # members per sub-request sent
-    isolated: int = 0                                 # failed groups re-sent member by member
+    def __init__(self, capacity: float) -> None:
+        self.capacity = self.tokens = float(capacity)
+
+    def earn(self, members: int) -> None:
+        self.tokens = min(self.capacity, self.tokens + ISOLATION_EARNED_PER_SUCCESS * members)
+
+    def spend(self, members: int) -> bool:
+        if members > self.tokens:
+            return False
+        self.tokens -= members
+        return True
 
 
 class Coalescer:
-    def __init__(self, max_rows: int, max_in_flight: int, send: Send, outcome: type,
+    def __init__(self, max_rows: int, max_in_flight: int, send: Send,
                  on_group: Callable[[int], None] | None = None,
-                 isolate: Callable[[str], bool] = lambda error: True,
-                 exclusive: Callable[[float], AsyncContextManager[bool]] | None = None) -> None:
+                 isolate: Callable[[str], bool] = lambda error: False,
+                 exclusive: Callable[[float], AsyncContextManager[bool]] | None = None,
+                 log: Callable[[str], None] | None = None) -> None:
         self.max_rows, self.max_in_flight, self.send = max_rows, max(1, max_in_flight), send
-        self.outcome = outcome  # the type ``send`` answers with: outputs, error, expired fields
         self.on_group = on_group or (lambda size: None)
         # Whether a failed sub-request's error may come from one bad item of its batch (then
-        # its members are re-sent alone) rather than from the stage as a whole (queue full, ...).
+        # its members are re-sent alone) rather than from the stage as a whole.
         self.isolate = isolate
+        self.budget = IsolationBudget(ISOLATION_BUDGET_GROUPS * max_rows)
         # exclusive(expires): the stage to this process across the orchestrator's instances
         # (stagelock.StageLock.exclusive), yielding False if ``expires`` passed first.
         self.exclusive_across = exclusive
-        self.queues: dict[tuple, deque[Member]] = {}
+        self.log = log or (lambda message: None)
+        self.queues: dict[tuple, deque[Member]] = {}  # only keys that hold members
         self.in_flight = 0  # sub-requests holding a slot
         self.out = 0        # sub-requests out, stragglers that gave their slot back included
         self.durations: deque[float] = deque(maxlen=DURATIONS)
@@ -92,26 +141,23 @@ class Coalescer:
         self.quiet = asyncio.Event()  # set whenever a sub-request of this stage comes back
         self.pump_scheduled = False
         self.tasks: set[asyncio.Task] = set()
-        self.stats = GroupStats()
 
-    async def submit(self, inputs: dict[str, np.ndarray], output_names, reduce, limit: float,
-                     request_id: str) -> tuple[object, bool]:
-        """This member's (outcome, timed_out), as ``send`` would give for it alone."""
+    async def submit(self, part: Part, output_names) -> Outcome:
+        """This part's outcome, as ``send`` would give it for the part alone."""
         loop = asyncio.get_running_loop()
-        member = Member(inputs, len(next(iter(inputs.values()))), time.monotonic() + limit,
-                        request_id, loop.create_future())
-        key = (tuple(inputs), tuple(output_names), reduce)
-        self.queues.setdefault(key, deque()).append(member)
+        member = Member(part, loop.create_future())
+        self.queues.setdefault(_key(part, output_names), deque()).append(member)
         if not self.pump_scheduled:
             # At the end of this loop turn, not now: members resumed in the same turn (the rows
             # of one group coming back from the previous stage) go on together.
             self.pump_scheduled = True
             loop.call_soon(self._pump)
-        done, _ = await asyncio.wait({member.future}, timeout=max(0.0, limit))
+        done, _ = await asyncio.wait({member.future},
+                                     timeout=max(0.0, part.expires - time.monotonic()))
         if done:
             return member.future.result()
         member.future.cancel()  # its group (if any) goes on without it
-        return None, True
+        return EXPIRED
 
     # -- groups --------------------------------------------------------------------------------
     def _pump(self) -> None:
@@ -122,73 +168,64 @@ class Coalescer:
                 return
             key, members = picked
             self.in_flight += 1
-            task = asyncio.ensure_future(self._run(key, members))
+            task = asyncio.ensure_future(self._run(list(key[1]), members))
             self.tasks.add(task)
             task.add_done_callback(self.tasks.discard)
 
     def _next_group(self) -> tuple[tuple, list[Member]] | None:
         now = time.monotonic()
-        for key, queue in self.queues.items():
+        for key, queue in list(self.queues.items()):
             members, rows = [], 0
             while queue:
                 member = queue[0]
-                if member.future.done() or member.expires <= now:  # gone, or never to be sent
-                    queue.popleft().queued = False
-                    _settle(member, (self.outcome(expired=True), False))
+                if member.future.done() or member.part.expires <= now:  # gone, or never sent
+                    queue.popleft()
+                    _settle(member, EXPIRED)
                     continue
-                if members and rows + member.rows > self.max_rows:
+                if members and rows + member.part.rows > self.max_rows:
                     break
-                queue.popleft().queued = False
-                members.append(member)
-                rows += member.rows
+                members.append(queue.popleft())
+                rows += member.part.rows
+            if not queue:
+                del self.queues[key]
             if members:
                 return key, members
         return None
 
-    async def _run(self, key: tuple, members: list[Member]) -> None:
-        _, output_names, reduce = key
+    async def _run(self, output_names: list[str], members: list[Member]) -> None:
         holding = [True]  # this task's slot in in_flight (isolation gives it back while waiting)
         try:
-            self.stats.sizes.append(len(members))
             self.on_group(len(members))
-            if len(members) == 1:
-                inputs, request_ids = members[0].inputs, members[0].request_id
-            else:
-                inputs = {name: np.concatenate([m.inputs[name] for m in members])
-                          for name in members[0].inputs}
-                request_ids = ",".join(m.request_id for m in members if m.request_id)
             started = time.monotonic()
-            limit = max(m.expires for m in members) - started
             straggler = asyncio.get_running_loop().call_later(
                 self._straggler_after(), self._give_back, holding)
             self.out += 1
             try:
-                outcome, timed_out = await self.send(inputs, output_names, reduce, limit,
-                                                     request_ids)
+                outcomes, timed_out = await self.send([m.part for m in members], output_names)
             finally:
                 self.out -= 1
                 straggler.cancel()
             if not timed_out:
                 self.durations.append(time.monotonic() - started)
-            if timed_out or outcome.expired:
-                for member in members:  # each past its own limit by now (the group's is the max)
-                    _settle(member, (outcome, timed_out))
-            elif outcome.error is not None:
-                if self.isolate(outcome.error):
-                    self.stats.isolated += 1
-                    await self._isolate_alone(members, output_names, reduce, holding)
-                else:  # e.g. queue full: the same for each member alone
-                    for member in members:
-                        _settle(member, (outcome, False))
-            elif len(members) == 1:
-                _settle(members[0], (outcome, False))
-            else:
-                start = 0
-                for member in members:
-                    rows = slice(start, start + member.rows)
-                    start += member.rows
-                    _settle(member, (self.outcome(outputs={
-                        name: value[rows] for name, value in outcome.outputs.items()}), False))
+            results = list(zip(members, outcomes, strict=True))
+            failed = [(m, o) for m, o in results if o.error is not None]
+            if failed and self.isolate(failed[0][1].error) and self.budget.spend(len(failed)):
+                for member, outcome in results:
+                    if outcome.error is None:
+                        _settle(member, outcome)  # expired before it was sent
+                await self._isolate_alone([m for m, _ in failed], output_names, holding)
+                return
+            succeeded = 0
+            for member, outcome in results:
+                succeeded += outcome.outputs is not None
+                _settle(member, outcome)
+            self.budget.earn(succeeded)
+        except asyncio.CancelledError:
+            _settle_all(members, INTERNAL)
+            raise
+        except BaseException:  # noqa: BLE001 - every member is answered; the cause is logged
+            self.log(f"coalesced sub-request failed:\n{traceback.format_exc()}")
+            _settle_all(members, INTERNAL)
         finally:
             if holding[0]:
                 self.in_flight -= 1
@@ -208,7 +245,7 @@ class Coalescer:
             self.in_flight -= 1
             self._pump()
 
-    async def _isolate_alone(self, members: list[Member], output_names, reduce,
+    async def _isolate_alone(self, members: list[Member], output_names: list[str],
                              holding: list[bool]) -> None:
         """``_isolate`` with the stage to itself. A re-sent member must not meet another
         sub-request in the sub-model's batch (the culprit's, re-sent by another isolation, or a
@@ -227,32 +264,29 @@ class Coalescer:
                 self.in_flight += 1
                 holding[0] = True
                 if self.exclusive_across is None:
-                    await self._isolate(members, output_names, reduce)
+                    await self._isolate(members, output_names)
                     return
-                async with self.exclusive_across(max(m.expires for m in members)) as held:
+                async with self.exclusive_across(max(m.part.expires for m in members)) as held:
                     if held:
-                        await self._isolate(members, output_names, reduce)
+                        await self._isolate(members, output_names)
                     else:  # the other instances' sub-requests outlasted every member's limit
-                        for member in members:
-                            _settle(member, (self.outcome(expired=True), False))
+                        _settle_all(members, EXPIRED)
         finally:
             self.isolations -= 1
 
-    async def _isolate(self, members: list[Member], output_names, reduce) -> None:
+    async def _isolate(self, members: list[Member], output_names: list[str]) -> None:
         """Re-send the members of a failed sub-request one by one, each within its own limit:
         the culprit gets its own error, the others their results. One at a time, because the
         sub-model's own dynamic batcher would put concurrent ones back into one batch with the
-        culprit. A group of one is re-sent once too: the sub-model's batcher may have put it
-        with another request's bad item. Called with the stage to itself."""
+        culprit. Called with the stage to itself."""
         for member in members:
             if member.future.done():
                 continue
-            limit = member.expires - time.monotonic()
-            if limit <= 0:
-                _settle(member, (self.outcome(expired=True), False))
+            if member.part.expires <= time.monotonic():
+                _settle(member, EXPIRED)
                 continue
-            _settle(member, await self.send(member.inputs, output_names, reduce, limit,
-                                            member.request_id))
+            outcomes, _ = await self.send([member.part], output_names)
+            _settle(member, outcomes[0])
 
     async def close(self) -> None:
         for task in list(self.tasks):
@@ -260,6 +294,19 @@ class Coalescer:
         await asyncio.gather(*self.tasks, return_exceptions=True)
 
 
-def _settle(member: Member, result: tuple[object, bool]) -> None:
+def _key(part: Part, output_names) -> tuple:
+    """Members go together only if their inputs concatenate: the same names, trailing shapes
+    and dtypes, in the same order, and they ask for the same outputs."""
+    return (tuple((name, getattr(value, "shape", ())[1:], str(getattr(value, "dtype", "")))
+                  for name, value in part.inputs.items()), tuple(output_names))
+
+
+def _settle(member: Member, outcome: Outcome) -> None:
     if not member.future.done():
-        member.future.set_result(result)
+        member.future.set_result(outcome)
+
+
+def _settle_all(members: list[Member], outcome: Outcome) -> None:
+    for member in members:
+        _settle(member, outcome)
+

@@ -26,6 +26,11 @@ class Deadline:
         return cls(now, now + default_ms / 1e3, "default")
 
     @property
+    def label(self) -> str:
+        """What this deadline is, as error messages name it."""
+        return "client timeout" if self.source == "client" else "default deadline"
+
+    @property
     def budget_ms(self) -> float:
         return (self.end - self.start) * 1e3
 
@@ -41,5 +46,4 @@ class Deadline:
         remaining = self.remaining(now)
         if stage_timeout_ms > 0 and stage_timeout_ms / 1e3 < remaining:
             return stage_timeout_ms / 1e3, "stage timeout", stage_timeout_ms
-        label = "client timeout" if self.source == "client" else "default deadline"
-        return remaining, label, self.budget_ms
+        return remaining, self.label, self.budget_ms

@@ -31,6 +31,8 @@ class Kind(str, Enum):
     INVALID = "invalid"            # the sub-model rejected the data
     CANCELLED = "cancelled"        # cancelled (client cancellation or unload)
     FAILED = "failed"              # anything else: the sub-model failed
+    INTERNAL = "internal"          # the orchestrator's own code failed in the stage (never a
+                                   # sub-model's answer: never classified, never isolated)
 
 
 KIND_CODES = {
@@ -41,6 +43,7 @@ KIND_CODES = {
     Kind.INVALID: Code.INVALID_ARG,
     Kind.CANCELLED: Code.CANCELLED,
     Kind.FAILED: Code.INTERNAL,
+    Kind.INTERNAL: Code.INTERNAL,
 }
 
 # Message fragments of Triton 2.51 (core r24.10, python_backend r24.10, the C++ onnxruntime
@@ -105,6 +108,29 @@ class DeadlineExceeded(PipelineError):
             f"deadline exceeded in stage '{stage}' (model '{model}'): {limit} of "
             f"{budget_ms:.0f} ms passed",
             stage=stage, model=model, kind=Kind.DEADLINE)
+
+
+class SlotWaitExpired(PipelineError):
+    """The deadline passed while the request waited for one of the orchestrator's slots
+    (``max_inflight_requests``), before its first stage."""
+
+    def __init__(self, model: str, budget_ms: float, limit: str, slots: int) -> None:
+        super().__init__(
+            Code.UNAVAILABLE,
+            f"deadline exceeded in orchestrator '{model}' before its first stage: {limit} of "
+            f"{budget_ms:.0f} ms passed while waiting for one of its {slots} slots "
+            "(max_inflight_requests)",
+            kind=Kind.DEADLINE)
+
+
+def internal_error(model: str, stage: str = "") -> PipelineError:
+    """What the client hears of a failure of the orchestrator's own code (its run function, its
+    runtime, a ``reduce``): short, naming the stage when there is one; the details go to the
+    server log only."""
+    where = f" in stage '{stage}'" if stage else ""
+    return PipelineError(Code.INTERNAL,
+                         f"internal error in orchestrator '{model}'{where} (see the server log)",
+                         stage=stage, kind=Kind.INTERNAL)
 
 
 class Cancelled(PipelineError):

@@ -18,13 +18,14 @@ therefore sent per event:
   (``python -m bench.profile pipeline --concurrency 16 --stubs none``): observing per event cost
   0.5 ms of the stub's CPU and ~1 ms of tritonserver's per request.
 
-All calls happen under the runtime's pb_utils lock.
+Only ``flush`` and ``close`` call pb_utils; ``increment`` and ``observe`` are local and thread-safe.
 """
 
 from __future__ import annotations
 
 import bisect
 import math
+import threading
 
 from bls_models.errors import Code, Kind
 
@@ -49,7 +50,8 @@ FAMILIES: dict[str, tuple[str, str]] = {
     "bls_subrequest_errors_total": (
         "COUNTER", "Failed sub-requests, by stage and kind (deadline, queue_full, failed, ...)"),
     "bls_deadline_exceeded_total": (
-        "COUNTER", "Requests whose deadline or stage timeout passed, by stage"),
+        "COUNTER", "Requests whose deadline or stage timeout passed, by stage (stage "
+                   "\"admission\": while waiting for a slot, before the first stage)"),
     "bls_abandoned_subrequests_total": (
         "COUNTER", "Sub-requests given up on after their deadline while still running"),
     "bls_abandoned_subrequests_completed_total": (
@@ -69,6 +71,9 @@ FAMILIES: dict[str, tuple[str, str]] = {
 # The codes a request can be answered with: SUCCESS, each error code, or a response that could
 # not be sent.
 REQUEST_CODES = ("SUCCESS", *(code.value for code in Code), "SEND_FAILED")
+# The ``stage`` of a deadline that passed while the request waited for a slot
+# (max_inflight_requests), before any stage.
+ADMISSION = "admission"
 
 
 def le(bound: float) -> str:
@@ -108,6 +113,7 @@ def known_series(stages) -> list[tuple[str, dict[str, str]]]:
     series = [(family, {}) for family in ("bls_request_latency_seconds", "bls_inflight_requests",
                                           "bls_inflight_subrequests")]
     series += [("bls_requests_total", {"code": code}) for code in REQUEST_CODES]
+    series.append(("bls_deadline_exceeded_total", {"stage": ADMISSION}))
     for stage in stages:
         series += [(family, {"stage": stage}) for family in per_stage]
         series += [("bls_subrequest_errors_total", {"stage": stage, "kind": kind.value})
@@ -126,6 +132,13 @@ class _Observations:
 
 
 class Metrics:
+    """The families and series of one orchestrator instance.
+
+    ``increment`` and ``observe`` only add to what is pending, under this object's own lock, from
+    any thread; they never call pb_utils. ``flush`` publishes (one pb_utils round trip per
+    changed series) with no lock held. A publication that fails keeps what it could not publish
+    for the next flush: nothing is lost, and what is kept is bounded by the number of series."""
+
     def __init__(self, pb_utils, model: str, stages=()) -> None:
         self._pb = pb_utils
         self._model = model
@@ -135,70 +148,104 @@ class Metrics:
                                         kind=kinds[kind])
             for family in FAMILIES for name, kind in exposed(family)}
         self._metrics: dict[tuple, object] = {}
+        self._lock = threading.Lock()
         self._pending: dict[tuple, float] = {}  # counter/gauge increments not yet published
         self._observed: dict[tuple, _Observations] = {}  # histograms, not yet published
+        self._unsent: dict[tuple, float] = {}  # series increments a failed flush did not publish
         for family, labels in known_series(stages):
             if FAMILIES[family][0] == "HISTOGRAM":
                 for bound in bounds(family):
-                    self._metric(f"{family}_bucket", le=le(bound), **labels)
-                self._metric(f"{family}_sum", **labels)
-                self._metric(f"{family}_count", **labels)
+                    self._metric((f"{family}_bucket", *_sorted(labels, le=le(bound))))
+                self._metric((f"{family}_sum", *_sorted(labels)))
+                self._metric((f"{family}_count", *_sorted(labels)))
             else:
-                self._metric(family, **labels)
+                self._metric((family, *_sorted(labels)))
 
-    def _metric(self, name: str, **labels: str):
-        key = (name, *sorted(labels.items()))
+    def _metric(self, key: tuple):
+        """The pb_utils metric of a series ``(name, *sorted labels)``, created on first use."""
         metric = self._metrics.get(key)
         if metric is None:
+            name, *labels = key
             metric = self._metrics[key] = self._families[name].Metric(
-                labels={"model": self._model, **labels})
+                labels={"model": self._model, **dict(labels)})
         return metric
 
     def observe(self, family: str, value: float, **labels: str) -> None:
         """Histograms: kept locally, published by the next ``flush(histograms=True)``."""
         key = (family, *sorted(labels.items()))
         limits = bounds(family)
-        pending = self._observed.get(key)
-        if pending is None:
-            pending = self._observed[key] = _Observations(len(limits))
         # The first bucket whose bound is >= value (Prometheus' `le`); +Inf takes the rest.
-        pending.counts[bisect.bisect_left(limits, value)] += 1
-        pending.total += value
+        bucket = bisect.bisect_left(limits, value)
+        with self._lock:
+            pending = self._observed.get(key)
+            if pending is None:
+                pending = self._observed[key] = _Observations(len(limits))
+            pending.counts[bucket] += 1
+            pending.total += value
 
     def increment(self, family: str, value: float = 1.0, **labels: str) -> None:
         """Counters and gauges: added up locally, published by the next ``flush()``."""
         key = (family, *sorted(labels.items()))
-        self._pending[key] = self._pending.get(key, 0.0) + value
+        with self._lock:
+            self._pending[key] = self._pending.get(key, 0.0) + value
+
+    def pending(self, family: str, **labels: str) -> float:
+        """What the series of ``family`` whose labels include ``labels`` have not published
+        yet, summed (e.g. a gauge's drift while publication fails)."""
+        wanted = set(labels.items())
+        with self._lock:
+            return sum(value for store in (self._pending, self._unsent)
+                       for (name, *found), value in store.items()
+                       if name == family and wanted <= set(found))
 
     def flush(self, histograms: bool = False) -> int:
         """Publish the pending increments (a gauge's +1/-1 that cancelled out costs nothing),
         and with ``histograms`` the pending observations. Returns the number of pb_utils calls
-        made."""
-        pending, self._pending = self._pending, {}
+        made; raises what a call raised, after keeping everything it did not publish."""
+        with self._lock:
+            series, self._unsent = self._unsent, {}
+            pending, self._pending = self._pending, {}
+            observed, self._observed = (self._observed, {}) if histograms else ({}, self._observed)
+        for key, value in pending.items():
+            _add(series, key, value)
+        for (family, *labels), values in observed.items():
+            cumulative = 0
+            for bound, count in zip(bounds(family), values.counts):
+                cumulative += count
+                if cumulative:
+                    _add(series, (f"{family}_bucket", *_sorted(dict(labels), le=le(bound))),
+                         cumulative)
+            _add(series, (f"{family}_sum", *labels), values.total, always=True)
+            _add(series, (f"{family}_count", *labels), cumulative, always=True)
         calls = 0
-        for (family, *labels), value in pending.items():
-            if value:
-                self._metric(family, **dict(labels)).increment(value)
-                calls += 1
-        if histograms:
-            observed, self._observed = self._observed, {}
-            for (family, *labels), pending in observed.items():
-                labels = dict(labels)
-                cumulative = 0
-                for bound, count in zip(bounds(family), pending.counts):
-                    cumulative += count
-                    if cumulative:
-                        self._metric(f"{family}_bucket", le=le(bound), **labels).increment(
-                            cumulative)
-                        calls += 1
-                self._metric(f"{family}_sum", **labels).increment(pending.total)
-                self._metric(f"{family}_count", **labels).increment(cumulative)
-                calls += 2
+        items = list(series.items())
+        for index, (key, value) in enumerate(items):
+            try:
+                self._metric(key).increment(value)
+            except BaseException:
+                with self._lock:
+                    for unsent, rest in items[index:]:
+                        _add(self._unsent, unsent, rest, always=True)
+                raise
+            calls += 1
         return calls
 
     def close(self) -> None:
         """Publish what is pending; then metrics must go before their families (python backend
-        rule)."""
-        self.flush(histograms=True)
-        self._metrics.clear()
-        self._families.clear()
+        rule), whether or not the publication worked."""
+        try:
+            self.flush(histograms=True)
+        finally:
+            self._metrics.clear()
+            self._families.clear()
+
+
+def _sorted(labels: dict[str, str], **more: str) -> tuple:
+    return tuple(sorted({**labels, **more}.items()))
+
+
+def _add(series: dict[tuple, float], key: tuple, value: float, always: bool = False) -> None:
+    """Add ``value`` to a series' increment (a zero is left out unless ``always``: a histogram's
+    sum and count are published with every publication of the histogram)."""
+    if value or always:
+        series[key] = series.get(key, 0.0) + value

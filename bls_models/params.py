@@ -51,7 +51,13 @@ class Param:
 DEFAULT_DEADLINE = Param("default_deadline_ms", "10000",
                          "end-to-end budget when the client sets no timeout", minimum=1)
 MAX_INFLIGHT = Param("max_inflight_requests", "512",
-                     "requests in flight per instance before `execute` waits", minimum=1)
+                     "requests running at once per instance; more wait for a slot", minimum=1)
+MAX_QUEUED = Param(
+    "max_queued_requests", "512",
+    "requests per instance that wait in the orchestrator for a slot, each answered when its "
+    "deadline passes; beyond them `execute` waits, leaving requests in Triton's queue (whose "
+    "timeout check runs only every 500 ms while the instances are busy). 0: `execute` waits at "
+    "once (shed load with the queue policy's `max_queue_size`)", minimum=0)
 SUBREQUEST_THREADS = Param(
     "subrequest_threads", "64",
     "sub-requests waiting on sub-models at once, per instance; must stay below the python "
@@ -83,9 +89,9 @@ COALESCE_IN_FLIGHT = Param(
     "with `coalesce` on: sub-requests per stage out at once, per instance, before arrivals wait "
     "to go together", minimum=1)
 
-COMMON: tuple[Param, ...] = (DEFAULT_DEADLINE, MAX_INFLIGHT, SUBREQUEST_THREADS, COALESCE,
-                             COALESCE_IN_FLIGHT, STAGE_MODEL_REPOSITORIES, CONCURRENCY_MODE,
-                             GPU_TENSORS)
+COMMON: tuple[Param, ...] = (DEFAULT_DEADLINE, MAX_INFLIGHT, MAX_QUEUED, SUBREQUEST_THREADS,
+                             COALESCE, COALESCE_IN_FLIGHT, STAGE_MODEL_REPOSITORIES,
+                             CONCURRENCY_MODE, GPU_TENSORS)
 
 
 def stage_parameters(stage: str, default_model: str) -> tuple[Param, Param]:
@@ -105,7 +111,8 @@ class Stage:
 class OrchestratorConfig:
     stages: dict[str, Stage]
     default_deadline_ms: int
-    max_inflight_requests: int   # per instance; beyond it, execute() waits (backpressure)
+    max_inflight_requests: int   # per instance: requests running at once
+    max_queued_requests: int     # per instance: requests waiting for a slot; then execute waits
     subrequest_threads: int      # per instance; sub-requests waiting on a sub-model at once
     concurrency_mode: str        # "event_loop" (production) or "batch_gather" (measured alternative)
     # More model repositories in which to find the stage models' configs at load time, for
@@ -148,6 +155,7 @@ def parse(values: dict[str, str], accepted: tuple[Param, ...], stages: list[str]
         stages={s: Stage(s, parsed[f"{s}_model"], parsed[f"{s}_timeout_ms"]) for s in stages},
         default_deadline_ms=parsed["default_deadline_ms"],
         max_inflight_requests=parsed["max_inflight_requests"],
+        max_queued_requests=parsed["max_queued_requests"],
         subrequest_threads=parsed["subrequest_threads"],
         concurrency_mode=parsed["concurrency_mode"],
         stage_model_repositories=tuple(

@@ -1,8 +1,37 @@
-"""Answers client requests: exactly once each, with backpressure and a count of those pending.
+"""Answers client requests: exactly once each, whatever raises, with backpressure and a record of
+those pending.
 
-Part of the orchestrator runtime (``triton_runtime`` wires it): every ``pb_utils`` call here holds
-the runtime's lock, and the response sender is dropped under it once used, so a request can be
-answered only once whatever races to answer it (its pipeline, shutdown's cancellation).
+Part of the orchestrator runtime (``triton_runtime`` wires it). What it holds to:
+
+* **One final response per request.** ``answer`` takes the request's response sender away
+  under this object's lock, so whoever races to answer (the pipeline, its deadline, shutdown)
+  answers once; later calls do nothing. In python_backend r24.10 a sender closes *before* its
+  response crosses to the server (``response_sender.cc``, ``UpdateStateAndCounters``), so a send
+  that raises cannot be retried: it is logged and counted ``SEND_FAILED``.
+* **A response that cannot be built becomes INTERNAL.** Missing or malformed outputs, a failing
+  ``pb_utils.Tensor`` or ``InferenceResponse``: the client gets INTERNAL ("see the server log"),
+  the log gets the details. Only if not even that response can be built is the request lost
+  (``SEND_FAILED``).
+* **A request without a response sender** (``get_response_sender()`` raised in ``execute``) is
+  answered through ``execute``'s return value, which r24.10 accepts next to senders (``None``
+  for the others: ``python_be.cc``, ``ProcessRequests``).
+* **Admission with deadlines.** At most ``max_inflight`` requests run at once; up to
+  ``max_queued`` more wait here for a slot, in arrival order, each answered UNAVAILABLE when
+  its deadline passes (``enter``, ``leave``: the event loop's side). Beyond those, ``admit``
+  (``execute``'s thread) waits, and further requests stay in Triton's bounded queue of this
+  model — but only until the earliest deadline of the requests it holds: a request whose
+  deadline passes while ``execute`` waits is answered then. Waiting here rather than in
+  Triton's queue keeps deadlines on time under overload: while every instance is busy, Triton
+  checks its queue's timeouts only every 500 ms (core r24.10 ``dynamic_batch_scheduler.cc``,
+  ``WaitForPayloadSlotAvailable``), and tells a model nothing of the time a request spent
+  there.
+* **Nothing stays behind.** The room an admitted request takes is given back when it is
+  answered, in ``finally``; ``pending`` holds the admitted requests not yet answered, so
+  shutdown can answer every one of them (``answer_all``).
+
+The lock here guards only this object's state; no pb_utils call is made under it. Backend
+objects (tensors, responses) are created and destroyed under the runtime's pb_utils lock, and
+``send`` — a round trip to the server — is called with no lock held.
 """
 
 from __future__ import annotations
@@ -10,24 +39,39 @@ from __future__ import annotations
 import threading
 import time
 import traceback
+from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from bls_models.deadline import Deadline
-from bls_models.errors import PipelineError
+from bls_models.errors import Code, PipelineError, SlotWaitExpired, internal_error
+from bls_models.metrics import ADMISSION
 
 
-@dataclass
+@dataclass(eq=False)
 class Job:
     """One client request, from ``execute`` until its response is sent."""
 
-    inputs: dict[str, np.ndarray]
-    outputs: list[str]
     deadline: Deadline
-    request_id: str        # forwarded to every sub-request
-    sender: object         # pb_utils InferenceResponseSender; None once answered
-    received: float = field(default_factory=time.monotonic)
+    received: float        # when execute got it (time.monotonic): its deadline counts from here
+    sender: object = None  # pb_utils InferenceResponseSender; None once answered, or if none
+    request_id: str = ""   # forwarded to every sub-request
+    inputs: dict[str, np.ndarray] = field(default_factory=dict)
+    rows: int = 0          # its batch size: every output must have as many rows
+    outputs: list[str] = field(default_factory=list)
+    # Why it cannot run (set in execute: it is answered at once), or None.
+    failure: PipelineError | None = None
+    admitted: bool = False   # holds room in the orchestrator (given back when answered)
+    started: bool = False    # handed to the event loop, which then owns its sender
+    answered: bool = False
+    running: bool = False    # holds one of the max_inflight slots (event loop only)
+    expiry: object = None    # while it waits for a slot: the timer that answers its deadline
+    # Set when it is answered (batch_gather mode: execute waits for its batch's answers).
+    done: threading.Event | None = None
+    # The response execute returns for it (a request whose sender could not be had).
+    returned: object = None
+    no_sender: bool = False
     # Stage outputs kept on the GPU for this request (subrequests.DeviceTensor); released when
     # it is answered.
     device_tensors: list = field(default_factory=list)
@@ -40,78 +84,214 @@ class Job:
     cancel_answer_expires: bool = False  # a reset at the end of this loop turn is scheduled
 
     def first(self, event: str) -> bool:
-        """Whether ``event`` happens to this request for the first time (under the lock)."""
+        """Whether ``event`` happens to this request for the first time (event loop only)."""
         first = event not in self.counted
         self.counted.add(event)
         return first
 
 
 class Responder:
-    """Admits requests (at most ``max_inflight`` unanswered: beyond that ``admit`` waits, so
-    further requests stay in Triton's bounded, timeout-aware queue) and answers each once."""
+    def __init__(self, pb_utils, pb_lock: threading.RLock, metrics, output_dtypes: dict,
+                 max_inflight: int, model: str, log,
+                 finalized: threading.Event | None = None, max_queued: int = 0) -> None:
+        self.pb, self.pb_lock, self.metrics, self.log = pb_utils, pb_lock, metrics, log
+        # Set as finalize ends: no pb_utils call after it (a loop that outlived finalize's
+        # bounded wait finds it set).
+        self.finalized = finalized or threading.Event()
+        self.output_dtypes, self.model = output_dtypes, model
+        self.max_inflight, self.max_queued = max_inflight, max_queued
+        # Room for the requests admitted and not yet answered: running, or waiting for a slot.
+        self.room = threading.BoundedSemaphore(max_inflight + max_queued)
+        self._lock = threading.Lock()
+        self.pending: set[Job] = set()  # admitted and not yet answered
+        self.running = 0                # event loop only: jobs holding a slot
+        self.waiting: deque[Job] = deque()  # event loop only: admitted jobs waiting for a slot
 
-    def __init__(self, pb_utils, lock: threading.RLock, metrics, output_dtypes: dict,
-                 max_inflight: int, log) -> None:
-        self.pb, self.lock, self.metrics, self.log = pb_utils, lock, metrics, log
-        self.output_dtypes = output_dtypes
-        self.slots = threading.BoundedSemaphore(max_inflight)
-        self.pending = 0  # admitted and not yet answered (under the lock)
+    # -- admission (execute's thread) -------------------------------------------------------
+    def admit(self, jobs: list[Job], start) -> None:
+        """Take room for each of ``jobs`` (in order) and ``start`` it; a job whose deadline
+        passes while ``execute`` waits for room is answered UNAVAILABLE instead. The jobs
+        admitted one after the other without waiting are started together, in one call (so
+        their first sub-requests can go as one group), before any wait. The wait is bounded by
+        the earliest deadline among the waiting jobs, so each is answered when its deadline
+        passes, not when room frees. A job that had to wait has ``cancelled`` None (ask the
+        client again: it may have gone meanwhile)."""
+        waiting, run = deque(jobs), []
+        while waiting:
+            waited = False
+            if not self.room.acquire(blocking=False):
+                if run:
+                    start(run)
+                    run = []
+                waited = True
+                earliest = min(job.deadline.end for job in waiting)
+                if not self.room.acquire(timeout=max(0.0, earliest - time.monotonic())):
+                    now = time.monotonic()
+                    for job in [job for job in waiting if job.deadline.end <= now]:
+                        waiting.remove(job)
+                        self.expire(job)
+                    continue
+            job = waiting.popleft()
+            with self._lock:
+                job.admitted = True
+                self.pending.add(job)
+            self.metrics.increment("bls_inflight_requests", +1)
+            job.cancelled = None if waited else False
+            run.append(job)
+        if run:
+            start(run)
 
-    def admit(self) -> bool:
-        """Wait for a slot (on execute's thread, outside the lock); whether it had to wait."""
-        if self.slots.acquire(blocking=False):
-            return False
-        self.slots.acquire()
-        return True
+    def expire(self, job: Job) -> None:
+        """Answer a job whose deadline passed before it got a slot."""
+        self.metrics.increment("bls_deadline_exceeded_total", stage=ADMISSION)
+        self.answer(job, error=SlotWaitExpired(self.model, job.deadline.budget_ms,
+                                               job.deadline.label, self.max_inflight))
 
-    def started(self) -> None:
-        """An admitted request became a job: it is pending until ``send`` (under the lock)."""
-        self.pending += 1
+    # -- slots (the event loop's thread) ----------------------------------------------------
+    def enter(self, jobs: list[Job], run, loop) -> None:
+        """Admitted jobs reach the event loop: each gets a slot and ``run(job)``, or waits for
+        one (first come, first served) until its deadline."""
+        for job in jobs:
+            if self.running < self.max_inflight and not self.waiting:
+                self.running += 1
+                job.running = True
+                run(job)
+            else:
+                job.cancelled = None  # it waits: ask the client again before its first stage
+                job.expiry = loop.call_later(max(0.0, job.deadline.end - time.monotonic()),
+                                             self._expired, job)
+                self.waiting.append(job)
 
-    def refuse(self, sender, message: str) -> None:
-        """Answer a request that never became a job (under the lock) and free its slot."""
-        pb = self.pb
-        sender.send(pb.InferenceResponse(error=pb.TritonError(message, pb.TritonError.INVALID_ARG)),
-                    flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
-        self.slots.release()
+    def leave(self, job: Job, run) -> None:
+        """A running job was answered: its slot goes to the next job waiting for one (unless
+        ``run`` is None)."""
+        if not job.running:
+            return
+        job.running = False
+        self.running -= 1
+        while run is not None and self.waiting and self.running < self.max_inflight:
+            following = self.waiting.popleft()
+            if following.answered:  # shutdown answered it
+                continue
+            following.expiry.cancel()
+            self.running += 1
+            following.running = True
+            run(following)
 
-    def send(self, job: Job, outputs: dict[str, np.ndarray] | None,
-             error: PipelineError | None) -> None:
-        """Answer ``job`` with ``outputs`` or ``error``, unless it was answered already."""
-        pb = self.pb
-        code = "SUCCESS"
-        with self.lock:
-            sender, job.sender = job.sender, None
-            for device in job.device_tensors:  # answered (or failed): its GPU buffers can go
-                device.release()
-            job.device_tensors.clear()
-            if sender is None:  # never answer twice
+    def _expired(self, job: Job) -> None:
+        if job.running:
+            return
+        try:
+            self.waiting.remove(job)  # at most max_queued long
+        except ValueError:
+            pass
+        self.expire(job)
+
+    # -- answers (any thread; a started job's only from the event loop or, after it stopped,
+    # from shutdown) --------------------------------------------------------------------------
+    def answer(self, job: Job, outputs: dict | None = None,
+               error: PipelineError | None = None) -> None:
+        """Answer ``job`` with ``outputs`` or ``error``, unless it was answered already. Never
+        raises."""
+        with self._lock:
+            if job.answered:
                 return
-            self.pending -= 1
-            try:
-                if error is None:
-                    tensors = [pb.Tensor(n, np.ascontiguousarray(outputs[n], self.output_dtypes[n]))
-                               for n in job.outputs]
-                    response = pb.InferenceResponse(output_tensors=tensors)
+            job.answered = True
+            sender, job.sender = job.sender, None
+            admitted = job.admitted
+            self.pending.discard(job)
+        code = "SEND_FAILED"
+        response = None
+        try:
+            code, response = self._response(job, outputs, error)
+            if self.finalized.is_set():
+                code, response = "SEND_FAILED", None
+            if response is not None:
+                if job.no_sender:
+                    job.returned, response = response, None  # execute returns it
                 else:
-                    code = error.code.value
-                    response = pb.InferenceResponse(
-                        error=pb.TritonError(error.message, getattr(pb.TritonError, code)))
-                sender.send(response, flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
-            except Exception:  # noqa: BLE001 - e.g. the client is gone; log, never retry
-                self.log(f"could not send the response of '{job.request_id}':\n"
-                         f"{traceback.format_exc()}", error=True)
+                    try:
+                        sender.send(response, flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+                    except Exception:  # noqa: BLE001 - the sender is closed now (r24.10): no retry
+                        self.log(f"could not send the response of '{job.request_id}':\n"
+                                 f"{traceback.format_exc()}", error=True)
+                        code = "SEND_FAILED"
+            else:
                 code = "SEND_FAILED"
+        except Exception:  # noqa: BLE001 - nothing here may take the slot with it
+            self.log(f"answering '{job.request_id}' failed:\n{traceback.format_exc()}", error=True)
+            code = "SEND_FAILED"
+        finally:
+            try:
+                with self.pb_lock:  # backend objects die under the pb_utils lock
+                    for device in job.device_tensors:  # answered: its GPU buffers can go
+                        device.release()
+                    job.device_tensors.clear()
+                    del response, sender
             finally:
-                del sender
+                job.inputs = {}  # a job answered while waiting keeps no memory until popped
+                if admitted:
+                    self.room.release()
+                    self.metrics.increment("bls_inflight_requests", -1)
+                if job.done is not None:
+                    job.done.set()
                 self.metrics.increment("bls_requests_total", code=code)
-                self.metrics.observe("bls_request_latency_seconds", time.monotonic() - job.received)
-                self.metrics.increment("bls_inflight_requests", -1)
-        self.slots.release()
+                self.metrics.observe("bls_request_latency_seconds",
+                                     time.monotonic() - job.received)
 
+    def _response(self, job: Job, outputs: dict | None, error: PipelineError | None):
+        """(code, response) for the answer: the outputs, else the error, else INTERNAL when the
+        response could not be built; (SEND_FAILED, None) if not even that can be built."""
+        if error is None:
+            try:
+                return "SUCCESS", self._outputs_response(job, outputs)
+            except Exception:  # noqa: BLE001 - the orchestrator's own failure: the client hears INTERNAL
+                self.log(f"the response of '{job.request_id}' could not be built:\n"
+                         f"{traceback.format_exc()}", error=True)
+                error = internal_error(self.model)
+        for answer in (error, internal_error(self.model)):  # the error, else a plain INTERNAL
+            try:
+                return answer.code.value, self._error_response(answer.message, answer.code)
+            except Exception:  # noqa: BLE001
+                self.log(f"an error response for '{job.request_id}' could not be built:\n"
+                         f"{traceback.format_exc()}", error=True)
+        return "SEND_FAILED", None
+
+    def _outputs_response(self, job: Job, outputs: dict | None):
+        arrays = []
+        for name in job.outputs:
+            value = None if outputs is None else outputs.get(name)
+            if value is None:
+                raise ValueError(f"the pipeline returned no output '{name}'")
+            array = np.ascontiguousarray(value, self.output_dtypes[name])
+            if array.ndim == 0 or array.shape[0] != job.rows:
+                raise ValueError(f"output '{name}' has shape {array.shape}, not {job.rows} rows "
+                                 "like the request")
+            arrays.append((name, array))
+        with self.pb_lock:
+            return self.pb.InferenceResponse(
+                output_tensors=[self.pb.Tensor(name, array) for name, array in arrays])
+
+    def _error_response(self, message: str, code: Code):
+        pb = self.pb
+        with self.pb_lock:
+            # One TritonError per response: a shared one corrupts memory in r24.10.
+            return pb.InferenceResponse(error=pb.TritonError(message, getattr(pb.TritonError,
+                                                                              code.value)))
+
+    # -- shutdown ---------------------------------------------------------------------------
     def drain(self, seconds: float) -> int:
         """Wait up to ``seconds`` for pending requests to be answered; returns how many remain."""
-        deadline = time.monotonic() + seconds
-        while self.pending and time.monotonic() < deadline:
+        give_up = time.monotonic() + seconds
+        while self.pending and time.monotonic() < give_up:
             time.sleep(0.05)
-        return self.pending
+        return len(self.pending)
+
+    def answer_all(self, error: PipelineError) -> int:
+        """Answer every pending request with ``error`` (shutdown, once the event loop has
+        stopped); returns how many there were."""
+        with self._lock:
+            jobs = list(self.pending)
+        for job in jobs:
+            self.answer(job, error=error)
+        return len(jobs)

@@ -1,11 +1,20 @@
-"""Sub-requests of a pipeline: sent with the request's deadline, abandoned when it passes, their
+"""Sub-requests of a pipeline: sent within the request's deadline, abandoned when it passes, their
 outputs turned into numpy arrays (or kept on the GPU) while their response is alive.
 
 Part of the orchestrator runtime (``triton_runtime`` wires it; its docstring has the design).
 ``InferenceRequest.exec`` blocks its thread until the sub-model answers, so each in-flight
-sub-request runs on a thread of a dedicated pool (``subrequest_threads``). Every other
-``pb_utils`` call holds the runtime's lock; objects that wrap backend memory are created and
-destroyed under it.
+sub-request runs on a thread of ``workers.Workers`` (``subrequest_threads``). The
+``InferenceRequest`` is built on that thread just before ``exec``: its Triton ``timeout`` is the
+budget left at that moment, and a part whose limit passed while it waited for a thread (or for
+the stage's isolation lock) is left out, never sent. Objects that wrap backend memory are created
+and destroyed under the runtime's pb_utils lock; ``exec`` and ``is_cancelled`` (round trips to
+the server) are called without it.
+
+Errors are attributed to where they happened: an error response (the sub-model's, or the python
+backend's for the sub-request) is classified by ``errors.classify_sub_error``; an exception from
+``exec`` or from this runtime's own code (reading outputs, a ``reduce``) is the orchestrator's own
+failure, ``Kind.INTERNAL``: logged with its traceback, answered INTERNAL naming the stage, never
+classified and never isolated.
 """
 
 from __future__ import annotations
@@ -16,17 +25,23 @@ import contextlib
 import functools
 import threading
 import time
-from dataclasses import dataclass
+import traceback
 
 import numpy as np
 
-from bls_models.coalescing import Coalescer
+from bls_models.coalescing import EXPIRED, INTERNAL, Coalescer, Outcome, Part
 from bls_models.errors import (Cancelled, DeadlineExceeded, Kind, classify_sub_error,
-                               sub_request_failed)
+                               internal_error, sub_request_failed)
 from bls_models.params import OrchestratorConfig
 from bls_models.pipelines import Reduce
 from bls_models.responder import Job
 from bls_models.stagelock import StageLock
+from bls_models.workers import Workers
+
+# Sub-requests and responses a thread got back from exec after the model was finalized: kept
+# here, never destroyed by this runtime (destroying them is a pb_utils call); the stub process
+# exits after finalize.
+_LEFT_AT_SHUTDOWN: list = []
 
 
 def take_outputs(pb_utils, response, names, keep, views: dict, devices: dict) -> str | None:
@@ -87,19 +102,6 @@ class DeviceTensor:
         self.tensor = None
 
 
-@dataclass
-class Outcome:
-    """What a sub-request thread hands back: numpy arrays, and device tensors for pass-through
-    outputs kept on the GPU (``gpu_tensors: "on"``)."""
-
-    outputs: dict[str, np.ndarray | DeviceTensor] | None = None
-    error: str | None = None
-    expired: bool = False  # its deadline passed before a thread picked it up: never sent
-
-    def device_tensors(self) -> list[DeviceTensor]:
-        return [t for t in (self.outputs or {}).values() if isinstance(t, DeviceTensor)]
-
-
 def _forget_cancel_answer(job: Job) -> None:
     job.cancelled, job.cancel_answer_expires = None, False
 
@@ -109,11 +111,45 @@ def _held():
     yield True
 
 
-def _one_bad_item(error: str) -> bool:
+def _item_caused(error: str) -> bool:
     """Whether a sub-request's error may come from one item of its batch: the sub-model rejected
-    the data (e.g. ONNX Runtime's "onnx runtime error 2" for a bad index) or failed. Queue full,
-    not ready, shared memory, cancellation and deadlines concern the stage, not an item."""
-    return classify_sub_error(error) in (Kind.INVALID, Kind.FAILED)
+    the data (e.g. ONNX Runtime's "onnx runtime error 2" for a bad index). Everything else —
+    queue full, not ready, shared memory, cancellation, deadlines, and a model that fails
+    (out of memory, a CUDA error, anything unclassified) — concerns the stage: re-sending the
+    members one by one would only multiply the load on it."""
+    return classify_sub_error(error) is Kind.INVALID
+
+
+def _within_limits(parts: list[Part]) -> list[Part]:
+    now = time.monotonic()
+    return [part for part in parts if part.expires > now]
+
+
+def concatenate(parts: list[Part]) -> dict:
+    """The inputs of ``parts`` as one batch, the parts' rows in order."""
+    if len(parts) == 1:
+        return parts[0].inputs
+    return {name: np.concatenate([part.inputs[name] for part in parts])
+            for name in parts[0].inputs}
+
+
+def split(views: dict[str, np.ndarray], parts: list[Part]) -> list[dict]:
+    """A sub-response's CPU outputs back by the parts' rows: each part's reduced by its own
+    ``reduce`` (from the response's memory, while it is alive), the others as arrays the stub
+    owns (``owns_memory``)."""
+    owned = None
+    results, start = [], 0
+    for part in parts:
+        rows = slice(start, start + part.rows)
+        start += part.rows
+        if part.reduce is not None:
+            results.append(part.reduce(views if len(parts) == 1
+                                       else {n: v[rows] for n, v in views.items()}))
+            continue
+        if owned is None:
+            owned = {n: v if owns_memory(v) else v.copy() for n, v in views.items()}
+        results.append(owned if len(parts) == 1 else {n: v[rows] for n, v in owned.items()})
+    return results
 
 
 class SubRequests:
@@ -122,14 +158,17 @@ class SubRequests:
 
     def __init__(self, pb_utils, lock: threading.RLock, loop: asyncio.AbstractEventLoop,
                  metrics, config: OrchestratorConfig, pass_through: dict[str, tuple[str, ...]],
-                 model: str, max_rows: dict[str, int] | None = None,
-                 lock_key: str | None = None) -> None:
-        self.pb, self.lock, self.loop, self.metrics = pb_utils, lock, loop, metrics
-        self.config = config
+                 model: str, log, finalized: threading.Event,
+                 max_rows: dict[str, int] | None = None, lock_key: str | None = None) -> None:
+        self.pb, self.lock, self.loop, self.metrics, self.log = pb_utils, lock, loop, metrics, log
+        self.config, self.model = config, model
         # Stage -> outputs kept on the GPU (only stages whose model is KIND_GPU, gpu_tensors on).
         self.pass_through = pass_through
-        self.pool = concurrent.futures.ThreadPoolExecutor(
-            config.subrequest_threads, thread_name_prefix=f"{model}-subrequest")
+        self.workers = Workers(config.subrequest_threads, f"{model}-subrequest")
+        # Shutdown: no new sub-request once stopping (set under the lock); no pb_utils call at
+        # all once finalized (set under the lock as finalize ends; threads check it under it).
+        self.stopping = False
+        self.finalized = finalized
         # coalesce on: a Coalescer per stage whose outputs come back to the CPU (device tensors
         # cannot be split by rows), sized by the stage model's max_batch_size.
         coalesced = [stage for stage in config.stages
@@ -141,9 +180,10 @@ class SubRequests:
             stage: StageLock(lock_key or model, stage) for stage in coalesced}
         self.coalescers: dict[str, Coalescer] = {
             stage: Coalescer(max_rows[stage], config.coalesce_in_flight,
-                             functools.partial(self._send, stage), Outcome,
-                             functools.partial(self._group_sent, stage), isolate=_one_bad_item,
-                             exclusive=self.stage_locks[stage].exclusive)
+                             functools.partial(self.send, stage),
+                             functools.partial(self._group_sent, stage), isolate=_item_caused,
+                             exclusive=self.stage_locks[stage].exclusive,
+                             log=functools.partial(self._log_stage, stage))
             for stage in coalesced}
 
     async def call(self, job: Job, stage: str, inputs: dict[str, np.ndarray],
@@ -152,44 +192,56 @@ class SubRequests:
         with others' when coalescing), raising the client's error when it fails."""
         model = self.config.stage(stage).model
         if self.cancelled(job):
-            with self.lock:
-                if job.first("cancelled"):
-                    self.metrics.increment("bls_cancelled_requests_total", stage=stage)
+            if job.first("cancelled"):
+                self.metrics.increment("bls_cancelled_requests_total", stage=stage)
             raise Cancelled(stage)
         limit, what, limit_ms = job.deadline.stage_limit(self.config.stage(stage).timeout_ms)
         if limit <= 0:
             self._count_deadline(job, stage)
             raise DeadlineExceeded(stage, model, limit_ms, what)
+        rows = next((len(v) for v in inputs.values() if not isinstance(v, DeviceTensor)), job.rows)
+        part = Part(inputs, rows, time.monotonic() + limit, job.request_id, reduce)
         coalescer = self.coalescers.get(stage)
         # Inputs kept on the GPU (gpu_tensors on) cannot be concatenated here: sent alone, and
         # the stage model's own dynamic batcher batches them.
         if coalescer is not None and not any(isinstance(value, DeviceTensor)
                                              for value in inputs.values()):
-            outcome, timed_out = await coalescer.submit(inputs, list(output_names), reduce, limit,
-                                                        job.request_id)
+            outcome = await coalescer.submit(part, list(output_names))
         else:
-            outcome, timed_out = await self._send(stage, inputs, list(output_names), reduce,
-                                                  limit, job.request_id)
-        if timed_out or outcome.expired:
+            outcome = (await self.send(stage, [part], list(output_names)))[0][0]
+        # Released when the request is answered.
+        job.device_tensors += [t for t in (outcome.outputs or {}).values()
+                               if isinstance(t, DeviceTensor)]
+        if outcome.expired:
             self._count_deadline(job, stage)
             raise DeadlineExceeded(stage, model, limit_ms, what)
-        job.device_tensors += outcome.device_tensors()  # released when the request is answered
+        if outcome.internal:
+            self._count_error(stage, Kind.INTERNAL)
+            raise internal_error(self.model, stage)
         if outcome.error is not None:
             failure = sub_request_failed(stage, model, outcome.error)
-            self._count("bls_subrequest_errors_total", stage, kind=failure.kind.value)
+            self._count_error(stage, failure.kind)
             raise failure
         return outcome.outputs
 
     def cancelled(self, job: Job) -> bool:
-        """Whether the client cancelled ``job``, asked before each stage (on the event loop).
+        """Whether the client cancelled ``job``, asked before each stage (on the event loop, the
+        only thread that uses a started request's response sender, so never after its answer).
 
         Asking is an IPC round trip to the server (r24.10 ``PbCancel::IsCancelled``), so an
         answer holds until the end of this event-loop turn: branches that start together (the
         classifier and the embedder) ask once. Before the first stage, the answer Triton's
-        scheduler gave as it handed the request to ``execute`` holds (``Job.cancelled``)."""
+        scheduler gave as it handed the request to ``execute`` holds (``Job.cancelled``). A
+        check that fails counts as not cancelled (and is logged)."""
+        if self.finalized.is_set():  # no round trip after finalize: the request is over
+            return True
         if job.cancelled is None:
-            with self.lock:
-                job.cancelled = job.sender is not None and job.sender.is_cancelled()
+            try:
+                job.cancelled = job.sender is not None and bool(job.sender.is_cancelled())
+            except Exception:  # noqa: BLE001 - the request goes on; its answer says how it ends
+                self.log(f"is_cancelled() failed for '{job.request_id}':\n"
+                         f"{traceback.format_exc()}", error=True)
+                job.cancelled = False
         if not job.cancelled and not job.cancel_answer_expires:
             job.cancel_answer_expires = True
             self.loop.call_soon(_forget_cancel_answer, job)
@@ -208,106 +260,117 @@ class SubRequests:
             return {}
         return {"preferred_memory": self.pb.PreferredMemory(self.pb.TRITONSERVER_MEMORY_CPU, 0)}
 
-    async def _send(self, stage: str, inputs: dict, output_names: list[str],
-                    reduce: Reduce | None, limit: float, request_id: str
-                    ) -> tuple[Outcome | None, bool]:
-        """One sub-request to ``stage``'s model, waited for at most ``limit`` seconds:
-        (outcome, False), or (None, True) when the limit passed first (it is then abandoned, or
-        never sent if no thread had taken it yet)."""
-        pb = self.pb
-        model = self.config.stage(stage).model
+    async def send(self, stage: str, parts: list[Part], output_names: list[str]
+                   ) -> tuple[list[Outcome], bool]:
+        """One sub-request to ``stage``'s model for ``parts``, waited for until the latest
+        part's limit: (one outcome per part, False), or (every part expired, True) when that
+        limit passed first (the sub-request is then abandoned, or never sent if no thread had
+        taken it yet)."""
         # Pass-through outputs stay on the GPU with gpu_tensors on; everything else comes back in
         # CPU memory, as numpy arrays the stub owns (``owns_memory``), or reduced from them.
         on_device = self.config.gpu_tensors and bool(self.pass_through.get(stage))
-        with self.lock:
-            request = pb.InferenceRequest(
-                model_name=model,
-                inputs=[value.as_input(pb, name) if isinstance(value, DeviceTensor)
-                        else pb.Tensor(name, value) for name, value in inputs.items()],
-                requested_output_names=list(output_names),
-                request_id=request_id,
-                timeout=max(1, int(limit * 1e6)),  # µs; applies in the sub-model's queue
-                **self._output_memory(on_device),
-            )
-        handoff = [request]  # the thread takes the only reference
-        del request
-        started = time.monotonic()
         keep = set(self.pass_through.get(stage, ())) if on_device else set()
-        future = self.pool.submit(self._exec, handoff, started + limit, list(output_names),
-                                  reduce, keep, self.stage_locks.get(stage))
+        started = time.monotonic()
+        future = self.workers.submit(self._exec, stage, parts, output_names, keep,
+                                     self.stage_locks.get(stage))
         waiter = asyncio.wrap_future(future, loop=self.loop)
         try:
-            done, _ = await asyncio.wait({waiter}, timeout=limit)
+            done, _ = await asyncio.wait(
+                {waiter}, timeout=max(0.0, max(p.expires for p in parts) - started))
         finally:
-            with self.lock:
-                self.metrics.observe("bls_stage_latency_seconds", time.monotonic() - started,
-                                     stage=stage)
+            self.metrics.observe("bls_stage_latency_seconds", time.monotonic() - started,
+                                 stage=stage)
         if not done:
             waiter.cancel()
             if not future.cancel():  # already running: it finishes on its own, result dropped
-                with self.lock:
-                    self.metrics.increment("bls_abandoned_subrequests_total", stage=stage)
+                self.metrics.increment("bls_abandoned_subrequests_total", stage=stage)
                 future.add_done_callback(lambda done: self._post(self._abandoned_done, stage, done))
-            return None, True
+            return [EXPIRED] * len(parts), True
         return waiter.result(), False
 
     def _group_sent(self, stage: str, size: int) -> None:
-        with self.lock:
-            self.metrics.observe("bls_coalesced_group_size", size, stage=stage)
+        self.metrics.observe("bls_coalesced_group_size", size, stage=stage)
 
     def _abandoned_done(self, stage: str, future: concurrent.futures.Future) -> None:
         """An abandoned sub-request finished (event loop thread): count it, free what it made."""
-        self._count("bls_abandoned_subrequests_completed_total", stage)
-        if not future.cancelled() and future.exception() is None:
-            with self.lock:
-                for device in future.result().device_tensors():
-                    device.release()
+        self.metrics.increment("bls_abandoned_subrequests_completed_total", stage=stage)
+        if future.cancelled() or future.exception() is not None:
+            return
+        with self.lock:
+            for outcome in future.result():
+                for value in (outcome.outputs or {}).values():
+                    if isinstance(value, DeviceTensor):
+                        value.release()
 
-    def _exec(self, handoff: list, expires: float, output_names: list[str],
-              reduce: Reduce | None, keep: set[str] = frozenset(),
-              stage_lock: StageLock | None = None) -> Outcome:
-        """On a sub-request thread: send, wait, then turn the outputs into plain numpy arrays the
-        stub owns (``owns_memory``: the backend's own copies, else copies made here), or whatever
-        ``reduce`` computes from them. Outputs named in ``keep``
-        that arrive in GPU memory stay there, as ``DeviceTensor``s. With ``stage_lock``, the
-        sub-request is out only while holding it shared (not sent at all if another instance's
-        isolation outlasts its deadline)."""
+    def _exec(self, stage: str, parts: list[Part], output_names: list[str],
+              keep: set[str] = frozenset(), stage_lock: StageLock | None = None) -> list[Outcome]:
+        """On a sub-request thread: build the sub-request from the parts still within their
+        limits, send it, wait, then split its outputs by rows (see ``split``). Outputs named in
+        ``keep`` that arrive in GPU memory stay there, as ``DeviceTensor``s (a single part only:
+        such stages are not coalesced). With ``stage_lock``, the sub-request is out only while
+        holding it shared. Never raises: one outcome per part."""
         pb = self.pb
-        request = handoff.pop()
-        response = None
+        request = response = None
         views: dict[str, np.ndarray] = {}
         devices: dict[str, DeviceTensor] = {}
         try:
-            if time.monotonic() >= expires:
-                return Outcome(expired=True)
-            with (stage_lock.shared(expires) if stage_lock else _held()) as held:
-                if not held:
-                    return Outcome(expired=True)
-                self._gauge("bls_inflight_subrequests", +1)
+            live = _within_limits(parts)
+            if not live:
+                return [EXPIRED] * len(parts)
+            with (stage_lock.shared(max(p.expires for p in live)) if stage_lock
+                  else _held()) as held:
+                live = _within_limits(live) if held else []  # the lock may have taken a while
+                if not live:
+                    return [EXPIRED] * len(parts)
+                inputs = concatenate(live)
+                with self.lock:
+                    if self.stopping:
+                        return [INTERNAL] * len(parts)
+                    request = pb.InferenceRequest(
+                        model_name=self.config.stage(stage).model,
+                        inputs=[value.as_input(pb, name) if isinstance(value, DeviceTensor)
+                                else pb.Tensor(name, value) for name, value in inputs.items()],
+                        requested_output_names=list(output_names),
+                        request_id=",".join(p.request_id for p in live if p.request_id),
+                        # µs left now; applies in the sub-model's queue
+                        timeout=max(1, int((max(p.expires for p in live) - time.monotonic())
+                                           * 1e6)),
+                        **self._output_memory(bool(keep)))
+                del inputs
+                self.metrics.increment("bls_inflight_subrequests", +1)
                 try:
                     response = request.exec()  # blocks (GIL released) until the answer
                 finally:
-                    self._gauge("bls_inflight_subrequests", -1)
+                    self.metrics.increment("bls_inflight_subrequests", -1)
+            sent = {id(p) for p in live}
             with self.lock:
+                if self.finalized.is_set():  # no pb_utils call any more, not even a destructor
+                    _LEFT_AT_SHUTDOWN.append((request, response))
+                    request = response = None
+                    return [INTERNAL] * len(parts)
                 if response.has_error():
-                    return Outcome(error=response.error().message())
+                    error = response.error().message()
+                    return [Outcome(error=error) if id(p) in sent else EXPIRED for p in parts]
                 missing = take_outputs(pb, response, output_names, keep, views, devices)
                 if missing is not None:
-                    return Outcome(error=f"the response has no output '{missing}'")
+                    error = f"the response has no output '{missing}'"
+                    return [Outcome(error=error) if id(p) in sent else EXPIRED for p in parts]
             # Outside the lock: numpy only, on memory the response keeps alive until the end.
-            if reduce is not None:
-                return Outcome(outputs={**reduce(views), **devices})
-            return Outcome(outputs={
-                **{name: view if owns_memory(view) else view.copy() for name, view in views.items()},
-                **devices})
-        except Exception as error:  # noqa: BLE001 - exec itself raised (e.g. stub errors)
+            results = iter(split(views, live))
+            if devices:  # a single part: stages with outputs kept on the GPU are not coalesced
+                return [Outcome(outputs={**next(results), **devices})]
+            return [Outcome(outputs=next(results)) if id(p) in sent else EXPIRED for p in parts]
+        except BaseException:  # noqa: BLE001 - exec or this runtime failed: the stage's own failure
+            self._log_stage(stage, f"sub-request failed:\n{traceback.format_exc()}")
             with self.lock:
                 for device in devices.values():
                     device.release()
-            return Outcome(error=f"{type(error).__name__}: {error}")
+            return [INTERNAL] * len(parts)
         finally:
             with self.lock:  # backend objects die under the lock, on this thread
                 views.clear()
+                if self.finalized.is_set() and (request is not None or response is not None):
+                    _LEFT_AT_SHUTDOWN.append((request, response))
                 del request, response
 
     def _post(self, function, *args) -> None:
@@ -317,22 +380,23 @@ class SubRequests:
         except RuntimeError:  # the loop is closed: the model is unloading
             pass
 
-    def _count(self, family: str, stage: str, **labels: str) -> None:
-        with self.lock:
-            self.metrics.increment(family, stage=stage, **labels)
+    def _log_stage(self, stage: str, message: str) -> None:
+        self.log(f"stage '{stage}': {message}", error=True)
+
+    def _count_error(self, stage: str, kind: Kind) -> None:
+        self.metrics.increment("bls_subrequest_errors_total", stage=stage, kind=kind.value)
 
     def _count_deadline(self, job: Job, stage: str) -> None:
         """A sub-request failed on the deadline: counted per sub-request (the stage's errors),
         and the request's deadline once per request, at the first stage that hit it."""
-        with self.lock:
-            if job.first("deadline"):
-                self.metrics.increment("bls_deadline_exceeded_total", stage=stage)
-            self.metrics.increment("bls_subrequest_errors_total", stage=stage,
-                                   kind=Kind.DEADLINE.value)
+        if job.first("deadline"):
+            self.metrics.increment("bls_deadline_exceeded_total", stage=stage)
+        self._count_error(stage, Kind.DEADLINE)
 
-    def _gauge(self, family: str, delta: float) -> None:
+    def close(self, seconds: float) -> int:
+        """Shutdown: no new sub-request; wait up to ``seconds`` for the threads' sub-requests to
+        come back. Returns how many threads were still waiting on a sub-model: they are left to
+        the process's exit, and make no pb_utils call once ``finalized`` is set."""
         with self.lock:
-            self.metrics.increment(family, delta)
-
-    def shutdown(self) -> None:
-        self.pool.shutdown(wait=False, cancel_futures=True)
+            self.stopping = True
+        return len(self.workers.shutdown(seconds))

@@ -6,7 +6,15 @@ The runtime is three parts, and only they use ``pb_utils``:
   runs each job's pipeline, metrics flushing, shutdown, and ``python_model`` (a model.py's class);
 * ``subrequests.SubRequests``: the sub-request wrapper a pipeline calls (deadline, abandonment,
   device-tensor lifetime);
-* ``responder.Responder``: exactly one answer per request, the pending count, backpressure.
+* ``responder.Responder``: exactly one answer per request, whatever raises; admission with
+  deadlines; the requests pending.
+
+**The invariant.** Every request that reaches ``execute`` gets exactly one final response,
+whatever raises — in any pb_utils call, in the run function, in the coalescer, at shutdown —
+and ``execute`` itself never raises (in r24.10 an exception out of ``execute`` makes the backend
+delete the response factory of every request in the batch, answered ones included:
+``python_be.cc``). Failures of the orchestrator's own code are answered INTERNAL with a short
+message naming the stage; the details go to the log only.
 
 Design (docs/orchestrator.md has the measurements behind it):
 
@@ -19,21 +27,26 @@ Design (docs/orchestrator.md has the measurements behind it):
 * **Sub-requests.** ``InferenceRequest.exec`` blocks its thread until the sub-model answers, so
   each in-flight sub-request runs on a thread of a dedicated pool (``subrequest_threads``,
   instead of asyncio's default executor of ``min(32, cores + 4)`` threads).
-* **One lock for pb_utils.** Using ``pb_utils`` from several threads at once crashed stubs under
-  bursts on this build. Every ``pb_utils`` call — reading requests, building sub-requests,
-  reading sub-responses, metrics, cancellation checks, sending responses — holds ``self.lock``,
-  except the blocking wait inside ``exec`` itself (holding it there would serialise
-  sub-requests; concurrent ``exec`` is what the backend's own ``async_exec`` does). Python
-  objects that wrap backend memory are created and destroyed under the lock. A sub-response's
-  outputs are turned into numpy arrays the stub owns (the python backend's own copies, or
-  reduced from them as the tagger's 28.7 MB logits are) on the sub-request's thread while the
-  response is still alive, so nothing that points into shared memory outlives its owner.
-* **Deadlines.** Each sub-request gets the request's remaining budget (capped by its stage's
-  timeout) twice: as its Triton ``timeout`` (so the sub-model's queue drops it) and as a limit on
-  the wait here (so a sub-request that is already running cannot hold the request). A sub-request
-  given up on keeps its thread until the sub-model answers (r24.10 cannot cancel it); it is
-  counted as abandoned and its result dropped. One whose deadline passed before a thread picked
-  it up is never sent.
+* **The pb_utils lock.** Using ``pb_utils`` from several threads at once crashed stubs under
+  bursts on this build. Python objects that wrap backend memory (tensors, requests, responses)
+  are created and destroyed under ``self.lock``, and so are the local reads of requests and
+  sub-responses. Round trips to the server are made with no lock held: ``exec`` (holding it
+  would serialise sub-requests), ``send``, ``is_cancelled`` and metric publication (holding it
+  stalled every sub-request thread behind one IPC). A started request's response sender is used
+  by the event loop's thread only, so no lock is needed to keep ``is_cancelled`` from meeting a
+  closed sender. A sub-response's outputs are turned into numpy arrays the stub owns (the python
+  backend's own copies, or reduced from them as the tagger's 28.7 MB logits are) on the
+  sub-request's thread while the response is still alive, so nothing that points into shared
+  memory outlives its owner.
+* **Deadlines** count from the request's arrival in ``execute``, before any wait for a slot
+  (r24.10 tells a model nothing of the time a request spent in Triton's own queue before
+  ``execute``; the queue policy applies the client's timeout there). Each sub-request gets the
+  request's remaining budget (capped by its stage's timeout) twice: as its Triton ``timeout``,
+  computed when a thread actually sends it (so the sub-model's queue drops it), and as a limit on
+  the wait here (so a sub-request that is already running cannot hold the request). A
+  sub-request given up on keeps its thread until the sub-model answers (r24.10 cannot cancel
+  it); it is counted as abandoned and its result dropped. One whose deadline passed before a
+  thread picked it up is never sent.
 * **GPU tensors** (``gpu_tensors: "on"``). Outputs that only flow into other stages (a
   stage's ``pass_through`` in its ``PipelineDef``, e.g. preprocess's PIXELS) are left in the
   memory the stage's instance produced them in (its GPU, whichever it is) and kept as a
@@ -44,18 +57,23 @@ Design (docs/orchestrator.md has the measurements behind it):
   pass-through output that arrives in CPU memory (CPU-only host): the fallback. Device tensors
   are released under the lock when their request is answered, or when an abandoned sub-request
   that made them finishes.
-* **Backpressure.** At most ``max_inflight_requests`` requests per instance are in flight;
-  beyond that ``execute`` waits, so further requests stay in Triton's bounded, timeout-aware
-  queue of this model.
+* **Admission.** At most ``max_inflight_requests`` requests per instance run at once; up to
+  ``max_queued_requests`` more wait in the runtime for a slot, each answered when its deadline
+  passes; beyond those ``execute`` waits (again at most until a deadline), so further requests
+  stay in Triton's bounded queue of this model (``responder.Responder``).
+* **Shutdown** (``finalize``) drains what is in flight (bounded), cancels the rest, stops the
+  event loop and the sub-request threads (bounded) and publishes the metrics on every path,
+  answers every request still pending, and makes sure no pb_utils call happens after it returns.
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import functools
 import json
+import sys
 import threading
+import time
 import traceback
 from pathlib import Path
 
@@ -65,13 +83,16 @@ from bls_models import params, repository
 from bls_models import spec as S
 from bls_models.deadline import Deadline
 from bls_models.definition import PipelineDef, Setup, registered
-from bls_models.errors import Code, PipelineError
+from bls_models.errors import Code, InvalidInput, PipelineError, internal_error
 from bls_models.metrics import FLUSH_SECONDS, HISTOGRAM_FLUSH_SECONDS, Metrics
 from bls_models.responder import Job, Responder
 from bls_models.subrequests import SubRequests
 
 _NUMPY = {name: np.dtype(dtype) for name, dtype in S.DTYPES.items()}
-SHUTDOWN_DRAIN_SECONDS = 10.0
+SHUTDOWN_DRAIN_SECONDS = 10.0   # finalize waits this long for requests in flight
+SHUTDOWN_CANCEL_SECONDS = 5.0   # then for their cancellation
+SHUTDOWN_LOOP_SECONDS = 10.0    # then for the event loop to stop (its round trips to return)
+SHUTDOWN_THREADS_SECONDS = 1.0  # then for sub-requests still out (a thread per sub-request)
 
 
 class Orchestrator:
@@ -105,14 +126,20 @@ class Orchestrator:
 
         # Re-entrant: logging (a pb_utils call) takes it too, also from code that holds it.
         self.lock = threading.RLock()
+        # Set under the lock as finalize ends: no pb_utils call any more, from any thread.
+        self.finalized = threading.Event()
         self.metrics = Metrics(pb_utils, self.model, stages=list(self.config.stages))
+        self.metrics_failing = False
         self.tasks: set[asyncio.Task] = set()
+        self.cancelling = False  # shutdown cancels what runs (event loop only)
         self.loop = asyncio.new_event_loop()
         self.responder = Responder(pb_utils, self.lock, self.metrics, self.output_dtypes,
-                                   self.config.max_inflight_requests, self.log)
+                                   self.config.max_inflight_requests, self.model, self.log,
+                                   self.finalized, self.config.max_queued_requests)
         self.subrequests = SubRequests(
             pb_utils, self.lock, self.loop, self.metrics, self.config, self.pass_through,
-            self.model, max_rows=repository.stage_max_batch(repositories, self.config.stages),
+            self.model, self.log, self.finalized,
+            max_rows=repository.stage_max_batch(repositories, self.config.stages),
             # Every instance of this model shares it (their stub processes serve one directory).
             lock_key=str(Path(args["model_repository"]).resolve()))
         self.log(f"orchestrating '{self.definition.name}': " + ", ".join(
@@ -140,107 +167,216 @@ class Orchestrator:
         self.thread.start()
 
     # -- execute (the stub's main thread) ---------------------------------------------------
-    def execute(self, requests) -> None:
-        started = []
-        for request in requests:
-            waited = self.responder.admit()  # backpressure: wait here, outside the lock
-            with self.lock:
-                sender = request.get_response_sender()
-                try:
-                    job = self._job(request, sender)
-                    # Triton's dynamic batcher drops cancelled requests as it hands a batch to
-                    # execute (core r24.10 dynamic_batch_scheduler.cc): unless this one waited
-                    # for a slot, its first stage need not ask again (subrequests.cancelled).
-                    job.cancelled = None if waited else False
-                    self.responder.started()
-                except Exception as error:  # noqa: BLE001 - this request fails alone
-                    job = None
-                    self.log(f"could not read request '{request.request_id()}': {error}", error=True)
-                    self.responder.refuse(sender, f"could not read the request: {error}")
-                del sender
-            if job is None:
-                continue
-            started.append(asyncio.run_coroutine_threadsafe(self._answer(job), self.loop))
-        if self.config.concurrency_mode == "batch_gather":
-            # The measured alternative: one execute at a time, its requests gathered together.
-            concurrent.futures.wait(started)
-        return None
+    def execute(self, requests):
+        """Take every request of the batch, admit each (waiting for a slot at most until its
+        deadline) and hand it to the event loop. Never raises: a request that cannot be read
+        or run is answered here; one whose response sender cannot be had is answered through
+        the list returned (``None`` when there is none, the usual case)."""
+        arrived = time.monotonic()
+        jobs: list[Job] = []
+        try:
+            for request in requests:
+                jobs.append(self._receive(request, arrived))
+            ready = []
+            for job in jobs:
+                if job.failure is None:
+                    ready.append(job)
+                else:
+                    self.responder.answer(job, error=job.failure)
+            if self.config.concurrency_mode == "batch_gather":
+                for job in ready:
+                    job.done = threading.Event()
+            self.responder.admit(ready, self._start)
+            if self.config.concurrency_mode == "batch_gather":
+                # The measured alternative: one execute at a time, its requests gathered together.
+                for job in ready:
+                    job.done.wait()
+        except BaseException:  # noqa: BLE001 - execute must not raise (see the module docstring)
+            self.log(f"execute failed:\n{traceback.format_exc()}", error=True)
+            jobs += [Job(Deadline.for_request(0, 0, arrived), arrived, no_sender=True)
+                     for _ in requests[len(jobs):]]
+            for job in jobs:
+                if not job.started:
+                    self.responder.answer(job, error=internal_error(self.model))
+        returned = [job.returned for job in jobs]
+        return returned if any(response is not None for response in returned) else None
 
-    def _job(self, request, sender) -> Job:
-        inputs = {}
-        for name in self.input_names:
-            tensor = self.pb.get_input_tensor_by_name(request, name)
-            # A copy: nothing of the request's memory is used after execute returns.
-            inputs[name] = np.array(tensor.as_numpy(), copy=True)
-        return Job(
-            inputs=inputs,
-            outputs=[n for n in request.requested_output_names() if n in self.output_dtypes]
-            or list(self.output_dtypes),
-            deadline=Deadline.for_request(int(request.timeout()), self.config.default_deadline_ms),
-            request_id=request.request_id(),
-            # Not request.trace(): the request (and its trace) is released when execute returns,
-            # and a sub-request spawned from that trace later segfaults Triton 2.51 when tracing
-            # is on (verified). Sub-requests carry the request id instead.
-            sender=sender,
-        )
+    def _receive(self, request, arrived: float) -> Job:
+        """A job for ``request``; never raises. What cannot be read makes it a failed job
+        (answered at once), its reason logged."""
+        job = Job(Deadline.for_request(0, self.config.default_deadline_ms, arrived), arrived)
+        with self.lock:
+            try:
+                job.sender = request.get_response_sender()
+            except Exception:  # noqa: BLE001 - answered through execute's return value
+                self.log(f"could not get a response sender:\n{traceback.format_exc()}",
+                         error=True)
+                job.no_sender = True
+                job.failure = internal_error(self.model)
+            try:
+                job.request_id = request.request_id()
+            except Exception:  # noqa: BLE001 - the request goes on without its id
+                self.log(f"could not read a request id:\n{traceback.format_exc()}", error=True)
+            try:
+                job.deadline = Deadline.for_request(int(request.timeout()),
+                                                    self.config.default_deadline_ms, arrived)
+            except Exception:  # noqa: BLE001 - the default deadline applies
+                self.log(f"could not read the timeout of '{job.request_id}':\n"
+                         f"{traceback.format_exc()}", error=True)
+            if job.failure is not None:
+                return job
+            try:
+                for name in self.input_names:
+                    tensor = self.pb.get_input_tensor_by_name(request, name)
+                    if tensor is None:
+                        job.failure = InvalidInput(f"the request has no input '{name}'")
+                        return job
+                    # A copy: nothing of the request's memory is used after execute returns.
+                    job.inputs[name] = np.array(tensor.as_numpy(), copy=True)
+                    del tensor
+                job.rows = len(next(iter(job.inputs.values())))
+                job.outputs = [n for n in request.requested_output_names()
+                               if n in self.output_dtypes] or list(self.output_dtypes)
+            except Exception:  # noqa: BLE001 - core validated the request: this is not its fault
+                self.log(f"could not read request '{job.request_id}':\n{traceback.format_exc()}",
+                         error=True)
+                job.failure = internal_error(self.model)
+        # Not request.trace(): the request (and its trace) is released when execute returns,
+        # and a sub-request spawned from that trace later segfaults Triton 2.51 when tracing is
+        # on (verified). Sub-requests carry the request id instead.
+        return job
+
+    def _start(self, jobs: list[Job]) -> None:
+        """Hand admitted jobs to the event loop in one call (their tasks start in the same loop
+        turn, so their first sub-requests can go as one group); from then on the loop owns
+        their senders."""
+        for job in jobs:
+            job.started = True
+        try:
+            self.loop.call_soon_threadsafe(self.responder.enter, jobs, self._run, self.loop)
+        except Exception:  # noqa: BLE001 - the loop is closed: the model is unloading
+            for job in jobs:
+                job.started = False
+                self.responder.answer(job, error=self._shutting_down())
+
+    def _run(self, job: Job) -> None:
+        """A job got a slot (event loop). Once shutdown cancels what is running, a job that
+        was waiting is answered instead of started."""
+        if self.cancelling:
+            self.responder.answer(job, error=self._shutting_down())
+            self.responder.leave(job, None)  # no hand-over: shutdown answers the others
+            return
+        self.loop.create_task(self._answer(job))
+
+    def _shutting_down(self) -> PipelineError:
+        return PipelineError(Code.UNAVAILABLE, f"model '{self.model}' is shutting down")
 
     # -- one request (the event loop's thread) -------------------------------------------------
     async def _answer(self, job: Job) -> None:
         task = asyncio.current_task()
         self.tasks.add(task)
-        with self.lock:
-            self.metrics.increment("bls_inflight_requests", +1)
+        outputs = error = None
         try:
-            outputs = await self._run(job)
-            error = None
+            outputs = await self.run(job.inputs, functools.partial(self.subrequests.call, job),
+                                     self.setup)
         except PipelineError as failure:
-            outputs, error = None, failure
+            error = failure
         except asyncio.CancelledError:
-            outputs, error = None, PipelineError(Code.UNAVAILABLE,
-                                                 f"model '{self.model}' is shutting down")
+            error = self._shutting_down()
         except Exception:  # noqa: BLE001 - a bug here must not take the request's answer with it
             self.log(f"request '{job.request_id}' failed:\n{traceback.format_exc()}", error=True)
-            outputs, error = None, PipelineError(
-                Code.INTERNAL, f"internal error in orchestrator '{self.model}' (see server log)")
+            error = internal_error(self.model)
         finally:
             self.tasks.discard(task)
-        self.responder.send(job, outputs, error)
-
-    async def _run(self, job: Job) -> dict[str, np.ndarray]:
-        return await self.run(job.inputs, functools.partial(self.subrequests.call, job),
-                              self.setup)
+            self.responder.answer(job, outputs, error)
+            self.responder.leave(job, self._run)
 
     # -- metrics and logging ------------------------------------------------------------------------
     def _flush_metrics(self, histograms_due: float = 0.0) -> None:
         """Publish pending counter/gauge increments (and, every HISTOGRAM_FLUSH_SECONDS, the
-        histograms' observations), then again in FLUSH_SECONDS."""
+        histograms' observations), then again in FLUSH_SECONDS, whatever happens. A publication
+        that fails keeps what it did not publish for the next one (``Metrics.flush``)."""
+        if self.finalized.is_set():
+            return
         now = self.loop.time()
         histograms = now >= histograms_due
-        with self.lock:
+        try:
             self.metrics.flush(histograms=histograms)
-        self.loop.call_later(FLUSH_SECONDS, self._flush_metrics,
-                             now + HISTOGRAM_FLUSH_SECONDS if histograms else histograms_due)
+            if self.metrics_failing:
+                self.metrics_failing = False
+                self.log("publishing metrics works again")
+        except Exception:  # noqa: BLE001 - logged when it starts failing, not every time
+            if not self.metrics_failing:
+                self.metrics_failing = True
+                self.log(f"publishing metrics failed (retried every {FLUSH_SECONDS} s):\n"
+                         f"{traceback.format_exc()}", error=True)
+        finally:
+            self.loop.call_later(FLUSH_SECONDS, self._flush_metrics,
+                                 now + HISTOGRAM_FLUSH_SECONDS if histograms else histograms_due)
 
     def log(self, message: str, error: bool = False) -> None:
-        logger = self.pb.Logger
-        with self.lock:
-            (logger.log_error if error else logger.log_info)(f"[{self.model}] {message}")
+        """Log through Triton (no-op once finalized). Never raises: logging must not take a
+        request's answer with it."""
+        try:
+            with self.lock:
+                if not self.finalized.is_set():
+                    logger = self.pb.Logger
+                    (logger.log_error if error else logger.log_info)(f"[{self.model}] {message}")
+        except Exception:  # noqa: BLE001 - the stub's stderr is the last resort
+            try:
+                print(f"[{self.model}] {message}", file=sys.stderr, flush=True)
+            except Exception:  # noqa: BLE001
+                pass
 
     # -- shutdown --------------------------------------------------------------------------------
     def close(self) -> None:
-        """Drain in-flight requests (bounded), answer the rest with UNAVAILABLE, stop threads."""
-        remaining = self.responder.drain(SHUTDOWN_DRAIN_SECONDS)
-        if remaining:
-            self.log(f"cancelling {remaining} request(s) still in flight at shutdown")
-            cancel = asyncio.run_coroutine_threadsafe(self._cancel_all(), self.loop)
-            cancel.result(timeout=5)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(timeout=5)
-        self.subrequests.shutdown()
-        with self.lock:
-            self.metrics.close()
+        """Drain in-flight requests (bounded), cancel the rest, stop the loop and the threads,
+        answer whatever is still pending with UNAVAILABLE, publish the metrics; every step on
+        every path, each bounded. No pb_utils call happens after it returns. Never raises."""
+        try:
+            remaining = self.responder.drain(SHUTDOWN_DRAIN_SECONDS)
+            if remaining:
+                self.log(f"cancelling {remaining} request(s) still in flight at shutdown")
+                asyncio.run_coroutine_threadsafe(self._cancel_all(), self.loop).result(
+                    timeout=SHUTDOWN_CANCEL_SECONDS)
+        except BaseException:  # noqa: BLE001 - the rest of the shutdown happens all the same
+            self.log(f"cancelling at shutdown failed:\n{traceback.format_exc()}", error=True)
+        finally:
+            self._stop()
+
+    def _stop(self) -> None:
+        stopped = False
+        try:
+            try:
+                self.loop.call_soon_threadsafe(self.loop.stop)
+            except RuntimeError:  # already closed
+                pass
+            self.thread.join(timeout=SHUTDOWN_LOOP_SECONDS)
+            stopped = not self.thread.is_alive()
+            stuck = self.subrequests.close(SHUTDOWN_THREADS_SECONDS)
+            if stuck:
+                self.log(f"{stuck} sub-request(s) still out at shutdown: their threads are left "
+                         "to the process's exit and make no further pb_utils call", error=True)
+            if stopped:  # this thread owns every sender now
+                left = self.responder.answer_all(self._shutting_down())
+                if left:
+                    self.log(f"answered {left} request(s) the event loop left at shutdown")
+                self.loop.close()
+            else:
+                self.log("the event loop did not stop; its requests stay unanswered", error=True)
+        except BaseException:  # noqa: BLE001
+            self.log(f"shutdown failed:\n{traceback.format_exc()}", error=True)
+        finally:
+            try:
+                self.metrics.close()
+            except BaseException:  # noqa: BLE001
+                self.log(f"publishing the last metrics failed:\n{traceback.format_exc()}",
+                         error=True)
+            with self.lock:
+                self.finalized.set()
 
     async def _cancel_all(self) -> None:
+        self.cancelling = True
         tasks = list(self.tasks)
         for task in tasks:
             task.cancel()

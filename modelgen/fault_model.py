@@ -14,7 +14,9 @@ any batch a delay or an error applies to the whole execution.
 
 A model can also be made slow for every request, as a degraded dependency would be: while the
 file ``slow_ms`` exists in its model directory, each execution first sleeps that many
-milliseconds (tests write it, then remove it to let the model recover).
+milliseconds (tests write it, then remove it to let the model recover). Likewise, while the file
+``error`` exists, every request is answered with its text as the error: a sick model, failing
+every request whatever its data.
 """
 
 import json
@@ -33,6 +35,7 @@ class TritonPythonModel:
                                     [int(d) for d in t["dims"]]) for t in config["output"]}
         self.input_name = config["input"][0]["name"]
         self.slow_file = os.path.join(args["model_repository"], "slow_ms")
+        self.error_file = os.path.join(args["model_repository"], "error")
 
     def slowdown_ms(self):
         try:
@@ -40,6 +43,13 @@ class TritonPythonModel:
                 return float(handle.read())
         except (OSError, ValueError):
             return 0.0
+
+    def sick(self):
+        try:
+            with open(self.error_file) as handle:
+                return handle.read().strip() or "sick"
+        except OSError:
+            return None
 
     def directives(self, request):
         found = []
@@ -57,6 +67,10 @@ class TritonPythonModel:
                     + [self.slowdown_ms()])
         if delay:
             time.sleep(delay / 1000.0)
+        sick = self.sick()
+        if sick is not None:
+            return [pb_utils.InferenceResponse(error=pb_utils.TritonError(sick))
+                    for _ in requests]
         responses = []
         for request, plan in zip(requests, plans):
             actions = dict(plan)

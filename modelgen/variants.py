@@ -39,6 +39,8 @@ FAULT_MODELS = (
     fault_model("fault_crash", S.CLASSIFIER, instances=1),
     # Made slow for a while, then recovered, by the degradation test (its slow_ms file).
     fault_model("fault_slow", S.CLASSIFIER),
+    # Made to fail every request for a while by the sick-stage test (its error file).
+    fault_model("fault_sick", S.EMBEDDER, instances=2),
 )
 
 
@@ -90,6 +92,11 @@ VARIANTS = (
     variant(S.PIPELINE, "pipeline_slow", preprocess_model="fault_preprocess",
             classifier_model="fault_slow", embedder_model="fault_embedder",
             default_deadline_ms="1000", subrequest_threads="8"),
+    # 8 requests in flight per instance: far more concurrent requests wait for a slot (the
+    # overload test, tests/live/test_failure_paths.py; the classifier is slowed per request).
+    variant(S.PIPELINE, "pipeline_overload", preprocess_model="fault_preprocess",
+            classifier_model="fault_classifier", embedder_model="fault_embedder",
+            max_inflight_requests="8"),
 )
 
 
@@ -108,15 +115,19 @@ def uncoalesced_variants(real_repository: Path) -> tuple[S.ModelSpec, ...]:
 def real_model_variants(real_repository: Path) -> tuple[S.ModelSpec, ...]:
     """Orchestrator variants over the real sub-models (found in ``real_repository``)."""
     return (
-        # Admits little: 2 instances x 4 in flight and a queue of 8, so a burst of a few hundred
-        # is mostly refused (the overload test).
+        # Admits little: 2 instances x 4 in flight, no queue in the orchestrator and a queue of
+        # 8 in Triton, so a burst of a few hundred is mostly refused (the overload test).
         dataclasses.replace(
             variant(S.PIPELINE, "pipeline_admission", max_inflight_requests="4",
-                    stage_model_repositories=str(real_repository)),
+                    max_queued_requests="0", stage_model_repositories=str(real_repository)),
             batching=dataclasses.replace(S.PIPELINE.batching, max_queue_size=8)),
         # The GPU profiles' setting on this CPU-only server: every output arrives in CPU memory,
         # so this exercises the fallback (tests/live/test_pipelines.py).
         variant(S.PIPELINE, "pipeline_gpu_tensors", gpu_tensors="on",
+                stage_model_repositories=str(real_repository)),
+        # The real preprocess and classifier, and an embedder that can be made sick
+        # (tests/live/test_failure_paths.py).
+        variant(S.PIPELINE, "pipeline_sick", embedder_model="fault_sick",
                 stage_model_repositories=str(real_repository)),
         # The classifier stage on the poisonable model, coalescing (as committed) and not
         # (tests/live/test_backend_errors.py).

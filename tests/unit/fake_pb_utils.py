@@ -1,16 +1,46 @@
-"""A stand-in for ``triton_python_backend_utils`` with just what ``bls_models.triton_runtime`` uses,
-and in-process sub-models behind ``InferenceRequest.exec``: the runtime's threading, deadlines,
-counters and exactly-once answers are tested without a server.
+"""A stand-in for ``triton_python_backend_utils`` that behaves like python_backend r24.10 where the
+orchestrator runtime's guarantees depend on it, with in-process sub-models behind
+``InferenceRequest.exec``: the runtime's threading, deadlines, counters and exactly-once answers
+are tested without a server.
 
 ``FakePbUtils(models)`` takes ``{model name: function(inputs, request) -> outputs}``; a function
 may sleep (a slow sub-model), raise ``SubModelError`` (an error response), or read
-``request.request_id`` to be steered per request. Every response a request's sender sends is
-recorded on it, so a test can count them.
+``request.request_id`` to be steered per request.
+
+What it holds to, as r24.10 does (source files of triton-inference-server/python_backend r24.10):
+
+* **One final response per sender** (``response_sender.cc``, ``UpdateStateAndCounters``): the
+  first ``send`` with ``TRITONSERVER_RESPONSE_COMPLETE_FINAL`` closes the sender *before* the
+  response crosses to the server, so a send that then fails has closed it all the same; any
+  later ``send`` raises "Response sender has been closed". ``is_cancelled`` on a closed sender
+  is a violation: the server has deleted the response factory it would ask about.
+* **The stub's side of execute** (``pb_stub.cc``, ``ProcessRequests``): drive the model with
+  ``fake.execute(model, requests)``. If ``execute`` raises, r24.10 closes every sender of the
+  batch and the backend deletes every response factory, answered ones included (a double free
+  inside tritonserver): recorded as a violation. A returned list must hold one entry per
+  request, ``None`` or an ``InferenceResponse`` for a request whose sender was never used.
+  When ``execute`` returns, the requests are released: their tensors' memory is overwritten and
+  any further use of a request raises.
+* **Faults.** ``fake.faults.plan(name, "once" | "always", after=k)`` makes the named call raise
+  ``InjectedFault`` (once: the first call after ``k`` unaffected ones). Names:
+  ``get_input_tensor_by_name``, ``as_numpy`` (of a request's input), ``get_response_sender``,
+  ``request_id``, ``timeout``, ``requested_output_names``, ``Tensor``, ``InferenceRequest``,
+  ``exec``, ``get_output_tensor_by_name``, ``InferenceResponse``, ``TritonError``, ``send``,
+  ``is_cancelled``, ``metric`` (creating or incrementing a metric) and ``Logger``. The fake's
+  own sub-models build their responses without the faults.
+* **After finalize** (``fake.finalize(model)``), every pb_utils call is a violation.
+* **No lock across a round trip.** ``fake.forbidden_locks`` lists locks that must not be held by
+  the calling thread during ``send``, ``is_cancelled`` and metric increments (each an IPC round
+  trip to the server in r24.10).
+
+``fake.violations`` lists every broken rule; tests assert it stays empty.
 """
 
 from __future__ import annotations
 
 import threading
+import time
+from collections import Counter
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -18,6 +48,41 @@ import numpy as np
 
 class SubModelError(Exception):
     """Raised by a fake sub-model: the sub-request comes back with this error message."""
+
+
+class InjectedFault(RuntimeError):
+    """What a pb_utils call raises when a test planned a fault for it."""
+
+
+class Faults:
+    """Which calls raise. Thread-safe: the runtime calls pb_utils from several threads."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._plans: dict[str, tuple[str, int]] = {}
+        self.calls: Counter[str] = Counter()
+        self.raised: Counter[str] = Counter()
+
+    def plan(self, name: str, how: str, after: int = 0) -> None:
+        assert how in ("once", "always"), how
+        with self._lock:
+            self._plans[name] = (how, self.calls[name] + after)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._plans.clear()
+
+    def check(self, name: str) -> None:
+        with self._lock:
+            self.calls[name] += 1
+            plan = self._plans.get(name)
+            if plan is None:
+                return
+            how, first = plan
+            if self.calls[name] <= first or (how == "once" and self.raised[name]):
+                return
+            self.raised[name] += 1
+        raise InjectedFault(f"injected fault in {name}")
 
 
 class TritonError:
@@ -62,21 +127,55 @@ class InferenceResponse:
 
 @dataclass
 class Sender:
-    """A request's response sender: records what is sent; ``cancelled`` is what the client did."""
+    """A request's response sender, as r24.10's for a model that is not decoupled.
+
+    ``sent`` holds the responses that reached the client, ``attempts`` every send the sender
+    accepted (a failed one included); ``cancelled`` is what the client did."""
 
     cancelled: threading.Event = field(default_factory=threading.Event)
     sent: list = field(default_factory=list)
-    done: threading.Event = field(default_factory=threading.Event)
-
-    def send(self, response, flags=0) -> None:
-        self.sent.append(response)
-        self.done.set()
-
+    attempts: int = 0
+    closed: bool = False
+    done: threading.Event = field(default_factory=threading.Event)  # closed: answered or lost
+    answered_at: float | None = None
     asked: int = 0  # is_cancelled() calls: each is an IPC round trip in the real stub
+    delay: float = 0.0  # seconds a send takes (a slow round trip to the server)
+    fake: "FakePbUtils | None" = None
+
+    def send(self, response=None, flags=0) -> None:
+        fake = self.fake
+        if fake is not None:
+            fake.enter("send", ipc=True)
+        if flags != FakePbUtils.TRITONSERVER_RESPONSE_COMPLETE_FINAL or response is None:
+            raise RuntimeError("this runtime must send one final response with its tensors")
+        with _SENDER_LOCK:
+            if self.closed:
+                if fake is not None:
+                    fake.violation("a second send on a closed response sender")
+                raise RuntimeError("Unable to send response. Response sender has been closed.")
+            self.closed, self.attempts = True, self.attempts + 1
+            self.answered_at = time.monotonic()
+        try:
+            if fake is not None:
+                fake.faults.check("send")  # after the sender closed, as in r24.10
+            if self.delay:
+                time.sleep(self.delay)
+            self.sent.append(response)
+        finally:
+            self.done.set()
 
     def is_cancelled(self) -> bool:
+        fake = self.fake
+        if fake is not None:
+            fake.enter("is_cancelled", ipc=True)
+            if self.closed:
+                fake.violation("is_cancelled() on a closed response sender")
+            fake.faults.check("is_cancelled")
         self.asked += 1
         return self.cancelled.is_set()
+
+
+_SENDER_LOCK = threading.Lock()
 
 
 class Request:
@@ -84,63 +183,154 @@ class Request:
 
     def __init__(self, inputs: dict[str, np.ndarray], request_id: str = "",
                  timeout_us: int = 0, outputs=()) -> None:
-        self.inputs = {name: Tensor(name, value) for name, value in inputs.items()}
+        self._buffers = {name: np.array(value, copy=True) for name, value in inputs.items()}
         self._id, self._timeout, self._outputs = request_id, timeout_us, list(outputs)
         self.sender = Sender()
+        self.returned = None  # a response execute returned for it
+        self.released = False
+        self.fake: FakePbUtils | None = None
+
+    # What the tests read (not a pb_utils call).
+    def input(self, name: str) -> np.ndarray:
+        return self._buffers[name]
+
+    @property
+    def answers(self) -> list:
+        """The responses that reached the client: sent, or returned from execute."""
+        return self.sender.sent + ([self.returned] if self.returned is not None else [])
+
+    @property
+    def answer_attempts(self) -> int:
+        return self.sender.attempts + (self.returned is not None)
+
+    def _use(self, name: str) -> None:
+        if self.fake is not None:
+            self.fake.enter(name)
+            if self.released:
+                self.fake.violation(f"request.{name}() after execute returned")
+                raise RuntimeError("the request was released when execute returned")
+            self.fake.faults.check(name)
 
     def request_id(self) -> str:
+        self._use("request_id")
         return self._id
 
     def timeout(self) -> int:
+        self._use("timeout")
         return self._timeout
 
     def requested_output_names(self) -> list[str]:
-        return self._outputs
+        self._use("requested_output_names")
+        return list(self._outputs)
 
     def get_response_sender(self) -> Sender:
+        self._use("get_response_sender")
         return self.sender
+
+    def release(self) -> None:
+        """What r24.10 does when execute returns: the request's memory goes back to the pool."""
+        self.released = True
+        for buffer in self._buffers.values():
+            buffer.view(np.uint8)[...] = 0xA5
+
+
+class _InputTensor:
+    """A request input: a view of the request's memory, unusable once the request is released."""
+
+    def __init__(self, request: Request, name: str) -> None:
+        self._request, self._name = request, name
+
+    def name(self) -> str:
+        return self._name
+
+    def as_numpy(self) -> np.ndarray:
+        self._request._use("as_numpy")
+        return self._request._buffers[self._name]
+
+    def is_cpu(self) -> bool:
+        return True
 
 
 class _Metric:
     """A series: exported (at 0) from the moment it is created, as Triton's registry does."""
 
-    def __init__(self, registry, key) -> None:
-        self.registry, self.key = registry, key
-        registry.setdefault(key, 0.0)
+    def __init__(self, fake, key) -> None:
+        self.fake, self.key = fake, key
+        fake.metrics.setdefault(key, 0.0)
 
     def increment(self, value) -> None:
-        self.registry[self.key] = self.registry.get(self.key, 0.0) + value
+        self.fake.enter("metric", ipc=True)
+        self.fake.faults.check("metric")
+        with self.fake.state:
+            self.fake.metrics[self.key] = self.fake.metrics.get(self.key, 0.0) + value
+
+
+@dataclass
+class SentSubRequest:
+    """A sub-request as ``exec`` saw it."""
+
+    model: str
+    request_id: str
+    timeout_us: int
+    started: float
+    rows: int
 
 
 class FakePbUtils:
     TRITONSERVER_RESPONSE_COMPLETE_FINAL = 1
     TRITONSERVER_MEMORY_CPU, TRITONSERVER_MEMORY_GPU = 0, 2
-    TritonError = TritonError
-    Tensor = Tensor
-    InferenceResponse = InferenceResponse
 
     def __init__(self, models: dict) -> None:
         self.models = models
+        self.faults = Faults()
+        self.state = threading.Lock()
         self.metrics: dict[tuple, float] = {}   # (family, *sorted labels) -> value
         self.log: list[str] = []
         self.calls: list[tuple[str, str]] = []  # (model, request id) of every sub-request sent
+        self.sent: list[SentSubRequest] = []
         # (model, preferred_memory) of every sub-request sent; None: not given (Triton's default,
         # the producing instance's memory)
         self.output_memory: list[tuple[str, tuple | None]] = []
+        self.violations: list[str] = []
+        self.finalized = False
+        self.forbidden_locks: list = []
         fake = self
+
+        class FaultyTensor(Tensor):
+            def __init__(self, name, array) -> None:
+                fake.enter("Tensor")
+                fake.faults.check("Tensor")
+                super().__init__(name, array)
+
+        class FaultyResponse(InferenceResponse):
+            def __init__(self, output_tensors=None, error=None) -> None:
+                fake.enter("InferenceResponse")
+                fake.faults.check("InferenceResponse")
+                super().__init__(output_tensors, error)
+
+        class FaultyError(TritonError):
+            def __init__(self, message, code=1) -> None:
+                fake.enter("TritonError")
+                fake.faults.check("TritonError")
+                super().__init__(message, code)
 
         class MetricFamily:
             COUNTER, GAUGE, HISTOGRAM = "counter", "gauge", "histogram"
 
             def __init__(self, name, description, kind) -> None:
+                fake.enter("MetricFamily")
                 self.name = name
 
             def Metric(self, labels, buckets=None):  # noqa: N802 - pb_utils' name
-                return _Metric(fake.metrics, (self.name, *sorted(labels.items())))
+                fake.enter("metric", ipc=True)
+                fake.faults.check("metric")
+                return _Metric(fake, (self.name, *sorted(labels.items())))
 
         class Logger:
             @staticmethod
             def log_info(message):
+                fake.enter("Logger")
+                fake.faults.check("Logger")
                 fake.log.append(message)
 
             log_error = log_warn = log_info
@@ -148,13 +338,21 @@ class FakePbUtils:
         class InferenceRequest:
             def __init__(self, model_name, inputs, requested_output_names, request_id="",
                          timeout=0, preferred_memory=None, **_) -> None:
+                fake.enter("InferenceRequest")
+                fake.faults.check("InferenceRequest")
                 self.model, self.inputs = model_name, {t.name(): t.as_numpy() for t in inputs}
                 self.outputs, self.request_id = list(requested_output_names), request_id
                 self.timeout, self.preferred_memory = timeout, preferred_memory
 
             def exec(self):
-                fake.calls.append((self.model, self.request_id))
-                fake.output_memory.append((self.model, self.preferred_memory))
+                fake.enter("exec")
+                fake.faults.check("exec")
+                rows = len(next(iter(self.inputs.values()))) if self.inputs else 0
+                with fake.state:
+                    fake.calls.append((self.model, self.request_id))
+                    fake.sent.append(SentSubRequest(self.model, self.request_id, self.timeout,
+                                                    time.monotonic(), rows))
+                    fake.output_memory.append((self.model, self.preferred_memory))
                 function = fake.models.get(self.model)
                 if function is None:
                     return InferenceResponse(error=TritonError(
@@ -167,21 +365,87 @@ class FakePbUtils:
                 return InferenceResponse(output_tensors=[Tensor(n, outputs[n])
                                                          for n in self.outputs if n in outputs])
 
+        self.Tensor, self.InferenceResponse, self.TritonError = \
+            FaultyTensor, FaultyResponse, FaultyError
         self.MetricFamily, self.Logger, self.InferenceRequest = MetricFamily, Logger, InferenceRequest
 
+    # -- the rules -----------------------------------------------------------------------------
+    def enter(self, name: str, ipc: bool = False) -> None:
+        """Every pb_utils call passes here: none after finalize, no forbidden lock held across a
+        round trip to the server."""
+        if self.finalized:
+            self.violation(f"{name} called after finalize returned")
+        if ipc:
+            for lock in self.forbidden_locks:
+                if _held_by_this_thread(lock):
+                    self.violation(f"{name} (a round trip to the server) called holding a lock")
+
+    def violation(self, what: str) -> None:
+        with self.state:
+            self.violations.append(what)
+
+    # -- the stub's side ----------------------------------------------------------------------
+    def execute(self, model, requests: list[Request]):
+        """Call ``model.execute(requests)`` as r24.10's stub does for a model that is not
+        decoupled, then release the requests."""
+        for request in requests:
+            request.fake = request.sender.fake = self
+        try:
+            returned = model.execute(requests)
+        except BaseException as error:  # noqa: BLE001 - r24.10 deletes every factory: a double free
+            self.violation(f"execute raised {type(error).__name__}: {error}")
+            for request in requests:
+                request.sender.closed = True
+                request.sender.done.set()
+            returned = None
+        if returned is not None:
+            if not isinstance(returned, list) or len(returned) != len(requests):
+                self.violation(f"execute returned {returned!r}, not one entry per request")
+            else:
+                for request, response in zip(requests, returned):
+                    if response is None:
+                        continue
+                    if not isinstance(response, InferenceResponse):
+                        self.violation(f"execute returned {response!r} for a request")
+                    elif request.sender.closed:
+                        self.violation("execute returned a response for an answered request")
+                    else:
+                        request.sender.closed = True
+                        request.returned = response
+                        request.sender.answered_at = time.monotonic()
+                        request.sender.done.set()
+        for request in requests:
+            request.release()
+        return returned
+
+    def finalize(self, model) -> None:
+        """``finalize``: after it returns, no pb_utils call may happen."""
+        model.close()
+        self.finalized = True
+
+    # -- what tests read ----------------------------------------------------------------------
     @staticmethod
     def PreferredMemory(kind, device):  # noqa: N802 - pb_utils' name
         return (kind, device)
 
-    @staticmethod
-    def get_input_tensor_by_name(request: Request, name: str) -> Tensor | None:
-        return request.inputs.get(name)
+    def get_input_tensor_by_name(self, request: Request, name: str):
+        request._use("get_input_tensor_by_name")
+        return _InputTensor(request, name) if name in request._buffers else None
 
-    @staticmethod
-    def get_output_tensor_by_name(response: InferenceResponse, name: str) -> Tensor | None:
+    def get_output_tensor_by_name(self, response: InferenceResponse, name: str) -> Tensor | None:
+        self.enter("get_output_tensor_by_name")
+        self.faults.check("get_output_tensor_by_name")
         return next((t for t in response.output_tensors if t.name() == name), None)
 
     def metric(self, family: str, **labels: str) -> float:
         """Sum of ``family``'s series whose labels include ``labels``."""
-        return sum(value for (name, *found), value in self.metrics.items()
-                   if name == family and set(labels.items()) <= set(found))
+        with self.state:
+            return sum(value for (name, *found), value in self.metrics.items()
+                       if name == family and set(labels.items()) <= set(found))
+
+
+def _held_by_this_thread(lock) -> bool:
+    owned = getattr(lock, "_is_owned", None)  # RLock: whether this thread holds it
+    if owned is not None:
+        return owned()
+    return lock.locked()

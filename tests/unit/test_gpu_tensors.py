@@ -146,7 +146,7 @@ def test_kept_outputs_stay_on_the_gpu_that_produced_them_not_on_gpu_0(made, repo
     made.append(orchestrator := gpu_orchestrator(pb, repository, tmp_path, device_id))
     assert orchestrator.pass_through == {"preprocess": ("PIXELS",)}
     request = Request(image(2), request_id="r")
-    orchestrator.execute([request])
+    pb.execute(orchestrator, [request])
     wait_answered([request])
     (response,) = request.sender.sent
     assert not response.has_error(), response.error().message()
@@ -163,7 +163,7 @@ def test_without_gpu_tensors_every_output_is_asked_for_in_cpu_memory(made, repos
     pb = FakePbUtils(sub_models())
     made.append(orchestrator := gpu_orchestrator(pb, repository, tmp_path, "0", gpu_tensors="off"))
     request = Request(image(), request_id="r")
-    orchestrator.execute([request])
+    pb.execute(orchestrator, [request])
     wait_answered([request])
     cpu = pb.PreferredMemory(pb.TRITONSERVER_MEMORY_CPU, 0)
     assert {model: memory for model, memory in pb.output_memory} == {

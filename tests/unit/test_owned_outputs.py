@@ -56,7 +56,7 @@ def _answered_embedding(made, models, request_id: str) -> np.ndarray:
     pb = FakePbUtils(models)
     made.append(orch := orchestrator(pb))
     request = Request(image(1), request_id=request_id)
-    orch.execute([request])
+    pb.execute(orch, [request])
     wait_answered([request])
     (response,) = request.sender.sent
     return next(t for t in response.output_tensors if t.name() == S.EMBEDDING.name).as_numpy()

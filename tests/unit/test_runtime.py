@@ -5,6 +5,7 @@ counters and exactly-once answers, with no server (each test takes well under a 
 from __future__ import annotations
 
 import json
+import threading
 import time
 from pathlib import Path
 
@@ -75,14 +76,14 @@ def test_each_request_is_answered_once_with_its_outputs(made):
     made.append(orch := orchestrator(pb))
     requests = [Request(image(1 + i % 3), request_id=f"r{i}") for i in range(30)]
     for start in range(0, 30, 7):  # several execute calls, as Triton batches them
-        assert orch.execute(requests[start:start + 7]) is None
+        assert pb.execute(orch, requests[start:start + 7]) is None
     wait_answered(requests)
     time.sleep(0.1)  # a second answer would arrive by now
     for request in requests:
         (response,) = request.sender.sent
         assert not response.has_error()
         outputs = {t.name(): t.as_numpy() for t in response.output_tensors}
-        batch = request.inputs["IMAGE"].as_numpy().shape[0]
+        batch = request.input("IMAGE").shape[0]
         assert outputs["CLASS_IDS"].shape == (batch, S.TOP_K)
         assert outputs["EMBEDDING"].shape == (batch, S.EMBEDDING_DIM)
     assert settled_metric(pb, "bls_requests_total", code="SUCCESS") == 30
@@ -96,7 +97,7 @@ def test_a_deadline_both_branches_miss_is_answered_on_time_and_counted_once(made
     made.append(orch := orchestrator(pb))
     request = Request(image(), request_id="classifier=0.6;embedder=0.6", timeout_us=200_000)
     started = time.monotonic()
-    orch.execute([request])
+    pb.execute(orch, [request])
     wait_answered([request])
     elapsed = time.monotonic() - started
     (response,) = request.sender.sent
@@ -116,7 +117,7 @@ def test_a_cancelled_request_stops_before_its_next_stages_and_is_counted_once(ma
     pb = FakePbUtils(sub_models())
     made.append(orch := orchestrator(pb))
     request = Request(image(), request_id="preprocess=0.3")
-    orch.execute([request])
+    pb.execute(orch, [request])
     time.sleep(0.1)
     request.sender.cancelled.set()  # the client goes away while preprocess runs
     wait_answered([request])
@@ -134,7 +135,7 @@ def test_cancellation_is_asked_once_per_step_not_per_stage(made):
     made.append(orch := orchestrator(pb))
     requests = [Request(image(), request_id=f"r{i}") for i in range(5)]
     for request in requests:
-        orch.execute([request])
+        pb.execute(orch, [request])
         wait_answered([request])
     for request in requests:
         (response,) = request.sender.sent
@@ -148,8 +149,8 @@ def test_a_request_that_waited_for_a_slot_is_checked_before_its_first_stage(made
     first = Request(image(), request_id="classifier=0.3")
     late = Request(image())
     late.sender.cancelled.set()  # cancelled while it waited behind the first for a slot
-    orch.execute([first])
-    orch.execute([late])  # waits for the slot
+    pb.execute(orch, [first])
+    pb.execute(orch, [late])  # waits for the slot
     wait_answered([first, late])
     (response,) = late.sender.sent
     assert response.error().code() == pb.TritonError.CANCELLED
@@ -161,7 +162,7 @@ def test_a_failing_sub_model_fails_its_request_with_internal_naming_the_stage(ma
     pb = FakePbUtils(sub_models(fail={"embedder"}))
     made.append(orch := orchestrator(pb))
     request = Request(image())
-    orch.execute([request])
+    pb.execute(orch, [request])
     wait_answered([request])
     (response,) = request.sender.sent
     assert response.error().code() == pb.TritonError.INTERNAL
@@ -187,39 +188,66 @@ def test_shutdown_drains_what_is_in_flight_and_answers_every_request_once():
     pb = FakePbUtils(sub_models())
     orch = orchestrator(pb)
     quick = [Request(image(), request_id=f"q{i}") for i in range(5)]
-    orch.execute(quick)
+    pb.execute(orch, quick)
     orch.close()  # waits for what is in flight (bounded), then stops
     assert all(len(r.sender.sent) == 1 for r in quick)
     assert all(not r.sender.sent[0].has_error() for r in quick)
 
 
 def test_backpressure_bounds_requests_in_flight(made):
+    """Without a queue in the orchestrator (max_queued_requests 0), execute waits for a slot:
+    further requests stay in Triton's queue."""
     pb = FakePbUtils(sub_models())
-    made.append(orch := orchestrator(pb, max_inflight_requests="2"))
+    made.append(orch := orchestrator(pb, max_inflight_requests="2", max_queued_requests="0"))
     requests = [Request(image(), request_id="classifier=0.2") for _ in range(4)]
     started = time.monotonic()
-    orch.execute(requests[:2])
-    orch.execute(requests[2:])  # waits for a slot: execute returns only once two were answered
+    pb.execute(orch, requests[:2])
+    pb.execute(orch, requests[2:])  # waits for a slot: execute returns only once two were answered
     assert time.monotonic() - started >= 0.2
     wait_answered(requests)
     assert all(len(r.sender.sent) == 1 for r in requests)
 
 
-def test_shutdown_answers_what_outlives_the_drain_once_with_unavailable(made, monkeypatch):
+def test_requests_beyond_the_slots_wait_in_the_orchestrator_first_come_first_served(made):
+    """With a queue in the orchestrator, execute returns at once; at most max_inflight_requests
+    run at once, the others start in arrival order as slots free, and beyond
+    max_inflight_requests + max_queued_requests execute waits."""
+    pb = FakePbUtils(sub_models())
+    made.append(orch := orchestrator(pb, max_inflight_requests="2", max_queued_requests="2"))
+    requests = [Request(image(), request_id=f"q{i};classifier=0.2") for i in range(6)]
+    started = time.monotonic()
+    pb.execute(orch, requests[:4])
+    assert time.monotonic() - started < 0.1, "execute waited although the queue had room"
+    pb.execute(orch, requests[4:])  # no room: waits until two are answered
+    assert time.monotonic() - started >= 0.2
+    wait_answered(requests)
+    assert all(not answer.has_error() for r in requests for answer in r.sender.sent)
+    order = [rid.split(";")[0] for model, rid in pb.calls if model == "classifier"]
+    assert order == [f"q{i}" for i in range(6)], order
+    # Never more than two at once: the third started only when the first had taken its 0.2 s.
+    starts = sorted(s.started for s in pb.sent if s.model == "classifier")
+    assert all(later - first >= 0.19 for first, later in zip(starts, starts[2:])), starts
+
+
+def test_shutdown_answers_what_outlives_the_drain_once_with_unavailable(monkeypatch):
     from bls_models import triton_runtime
 
     monkeypatch.setattr(triton_runtime, "SHUTDOWN_DRAIN_SECONDS", 0.2)
+    monkeypatch.setattr(triton_runtime, "SHUTDOWN_THREADS_SECONDS", 0.2)
     pb = FakePbUtils(sub_models())
     orch = orchestrator(pb)
     slow = Request(image(), request_id="classifier=1.0")
-    orch.execute([slow])
+    pb.execute(orch, [slow])
     started = time.monotonic()
-    orch.close()
+    pb.finalize(orch)
     assert time.monotonic() - started < 1.0, "close waited for the sub-model"
     (response,) = slow.sender.sent
     assert response.error().code() == pb.TritonError.UNAVAILABLE
     assert "shutting down" in response.error().message()
     assert pb.metric("bls_requests_total", code="UNAVAILABLE") == 1
+    time.sleep(1.0)  # the sub-model answers the thread left behind: it must not use pb_utils
+    assert pb.violations == []
+    assert not [t for t in threading.enumerate() if t.name.startswith("pipeline-")]
 
 
 def test_a_request_that_cannot_be_read_fails_alone_and_frees_its_slot(made):
@@ -227,7 +255,7 @@ def test_a_request_that_cannot_be_read_fails_alone_and_frees_its_slot(made):
     made.append(orch := orchestrator(pb, max_inflight_requests="1"))
     unreadable = Request({"PIXELS": np.zeros((1, 3), np.float32)})  # no IMAGE
     good = Request(image())
-    orch.execute([unreadable, good])  # would wait forever if the refused request kept its slot
+    pb.execute(orch, [unreadable, good])  # would wait forever if the refused request kept its slot
     wait_answered([unreadable, good])
     (refused,) = unreadable.sender.sent
     assert refused.error().code() == pb.TritonError.INVALID_ARG
@@ -241,7 +269,7 @@ def test_a_sub_request_whose_deadline_passed_before_a_thread_took_it_is_never_se
     made.append(orch := orchestrator(pb, subrequest_threads="1"))
     first = Request(image(), request_id="first;preprocess=0.5")
     second = Request(image(), request_id="second", timeout_us=200_000)
-    orch.execute([first, second])
+    pb.execute(orch, [first, second])
     wait_answered([first, second])
     assert second.sender.sent[0].error().code() == pb.TritonError.UNAVAILABLE
     assert not first.sender.sent[0].has_error()
@@ -262,17 +290,20 @@ def test_the_responder_answers_a_job_once_whoever_answers_it(made):
     pb = FakePbUtils({})
     metrics = Metrics(pb, "pipeline")
     responder = Responder(pb, threading.RLock(), metrics, {"EMBEDDING": np.dtype(np.float32)},
-                          max_inflight=1, log=lambda *a, **k: None)
+                          max_inflight=1, model="pipeline", log=lambda *a, **k: None)
     request = Request(image())
-    responder.admit()
-    responder.started()
-    job = Job(inputs={}, outputs=["EMBEDDING"], deadline=Deadline.for_request(0, 1000),
+    request.fake = request.sender.fake = pb
+    job = Job(Deadline.for_request(0, 1000), time.monotonic(), rows=1, outputs=["EMBEDDING"],
               request_id="r", sender=request.get_response_sender())
-    responder.send(job, {"EMBEDDING": np.ones((1, 256))}, None)
-    responder.send(job, None, PipelineError(Code.UNAVAILABLE, "shutting down"))
+    admitted = []
+    responder.admit([job], admitted.extend)
+    assert admitted == [job]
+    responder.answer(job, {"EMBEDDING": np.ones((1, 256))}, None)
+    responder.answer(job, None, PipelineError(Code.UNAVAILABLE, "shutting down"))
     metrics.flush()
     assert len(request.sender.sent) == 1 and not request.sender.sent[0].has_error()
-    assert responder.pending == 0
+    assert request.sender.attempts == 1 and pb.violations == []
+    assert responder.pending == set()
     assert pb.metric("bls_requests_total", code="SUCCESS") == 1
     assert pb.metric("bls_requests_total", code="UNAVAILABLE") == 0
-    assert responder.slots.acquire(timeout=1), "the slot was never released"
+    assert responder.room.acquire(timeout=1), "the slot was never released"

@@ -81,9 +81,9 @@ def coalescing(made, models: RowModels, **parameters):
 def behind_a_blocker(orch, group: list[Request], pause: float = 0.02) -> Request:
     """Start one request, then (its first sub-request out) send ``group`` in one execute."""
     blocker = Request(image_of(1))
-    orch.execute([blocker])
+    orch.pb.execute(orch, [blocker])
     time.sleep(pause)
-    orch.execute(group)
+    orch.pb.execute(orch, group)
     return blocker
 
 
@@ -92,7 +92,7 @@ def test_a_burst_is_grouped_and_each_request_gets_exactly_its_own_rows(made):
     pb, orch = coalescing(made, models)
     requests = [Request(image_of(20 + v % 200), request_id=f"r{v}") for v in range(300)]
     for start in range(0, len(requests), 10):
-        orch.execute(requests[start:start + 10])
+        pb.execute(orch, requests[start:start + 10])
     wait_answered(requests, timeout=60)
     for index, request in enumerate(requests):
         (response,) = request.sender.sent
@@ -114,7 +114,7 @@ def test_alone_a_request_waits_for_no_company(made):
     pb, orch = coalescing(made, models)
     for value in range(5):
         request = Request(image_of(value))
-        orch.execute([request])
+        pb.execute(orch, [request])
         wait_answered([request])
     assert [rows for _, rows in models.batches] == [1] * 15
 
@@ -183,18 +183,20 @@ def test_inputs_kept_on_the_gpu_are_sent_alone(made):
 
     pb, orch = coalescing(made, RowModels(delay=0.0))
     subrequests, routes = orch.subrequests, []
+    logits = Outcome(outputs={"LOGITS": np.zeros((1, S.NUM_CLASSES), np.float32)})
 
-    async def send(stage, inputs, output_names, reduce, limit, request_id):
+    async def send(stage, parts, output_names):
         routes.append(("alone", stage))
-        return Outcome(outputs={"LOGITS": np.zeros((1, S.NUM_CLASSES), np.float32)}), False
+        return [logits], False
 
-    async def submit(inputs, output_names, reduce, limit, request_id):
+    async def submit(part, output_names):
         routes.append(("coalesced", "classifier"))
-        return Outcome(outputs={"LOGITS": np.zeros((1, S.NUM_CLASSES), np.float32)}), False
+        return logits
 
-    subrequests._send = send
+    subrequests.send = send
     subrequests.coalescers["classifier"].submit = submit
-    job = Job(image_of(1), ["CLASS_IDS"], Deadline.for_request(0, 5000), "gpu", sender=None)
+    job = Job(Deadline.for_request(0, 5000), time.monotonic(), request_id="gpu")
+    job.cancelled = False
     for pixels in (DeviceTensor(object()), np.zeros((1, *S.PIXELS.dims), np.float32)):
         asyncio.run_coroutine_threadsafe(
             subrequests.call(job, "classifier", {"PIXELS": pixels}, ["LOGITS"]),
