@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import promql_parser
+import pytest
 import yaml
 
 from bls_models.metrics import FAMILIES
@@ -22,6 +24,18 @@ KUBERNETES = DEPLOY / "kubernetes"
 DASHBOARD = DEPLOY / "grafana" / "triton-bls-dashboard.json"
 # Triton metrics that exist only on a GPU host (not exported by the CPU server here).
 GPU_ONLY = {"nv_gpu_utilization", "nv_gpu_memory_used_bytes", "nv_gpu_memory_total_bytes"}
+# Triton's counters that are wrong for an orchestrator (its execute() hands requests off and
+# returns None, so r24.10's PbMetricReporter reports each a success, with execute()'s hand-off as
+# its compute time; docs/operations.md, "Triton's own counters and the orchestrators"). A query
+# may read them only for the models that do not export bls_* metrics: on the left of an
+# ``unless on(..., model, ...)`` whose right side is a bls_ series. Queue time is measured
+# before execute(): a per-model panel keeps it, with its own denominator, the success count.
+BLIND_TO_ORCHESTRATORS = {
+    "nv_inference_request_success", "nv_inference_request_failure", "nv_inference_count",
+    "nv_inference_exec_count", "nv_inference_request_duration_us",
+    "nv_inference_compute_infer_duration_us", "nv_inference_compute_input_duration_us",
+    "nv_inference_compute_output_duration_us"}
+QUEUE = "nv_inference_queue_duration_us"
 
 
 def documents() -> dict[str, dict]:
@@ -115,6 +129,84 @@ def test_the_dashboard_is_valid_grafana_json():
     dashboard = json.loads(DASHBOARD.read_text())
     assert dashboard["panels"] and all(p["targets"] for p in dashboard["panels"])
     assert len({p["id"] for p in dashboard["panels"]}) == len(dashboard["panels"])
+
+
+def dashboard_queries() -> list[tuple[str, str]]:
+    """(panel title, query) for every query of the dashboard, Grafana's variables filled in."""
+    return [(panel["title"], target["expr"].replace("$__rate_interval", "1m"))
+            for panel in json.loads(DASHBOARD.read_text())["panels"] for target in panel["targets"]]
+
+
+def adapter_queries() -> list[tuple[str, str]]:
+    """(rule name, query) for every rule of the prometheus-adapter, its templates filled in."""
+    rules = yaml.safe_load(documents()["ConfigMap"]["data"]["rules.yaml"])["rules"]
+    return [(rule["name"]["as"], rule["metricsQuery"]
+             .replace("<<.Series>>", rule["name"]["matches"])
+             .replace("<<.LabelMatchers>>", 'namespace="ns",pod=~"triton-bls-.*"')
+             .replace("<<.GroupBy>>", "pod")) for rule in rules]
+
+
+def _children(node) -> list:
+    kind = type(node).__name__
+    if kind == "BinaryExpr":
+        return [node.lhs, node.rhs]
+    if kind == "Call":
+        return list(node.args)
+    return [child for child in (getattr(node, name, None) for name in ("expr",)) if child]
+
+
+def metric_names(node) -> set[str]:
+    if type(node).__name__ in ("VectorSelector", "MatrixSelector"):
+        selector = node if type(node).__name__ == "VectorSelector" else node.vector_selector
+        return {selector.name}
+    return set().union(*(metric_names(child) for child in _children(node)))
+
+
+def unguarded(node) -> set[str]:
+    """The metrics of ``node`` read for every model: not on the left of an ``unless on(model)``
+    whose right side reads the orchestrators' own bls_ series."""
+    if type(node).__name__ == "BinaryExpr" and str(node.op) == "unless":
+        matching = node.modifier.matching if node.modifier else None
+        on_model = matching is not None and "model" in set(matching.labels)
+        if on_model and any(name.startswith("bls_") for name in metric_names(node.rhs)):
+            return unguarded(node.rhs)
+    if type(node).__name__ in ("VectorSelector", "MatrixSelector"):
+        return metric_names(node)
+    return set().union(*(unguarded(child) for child in _children(node)))
+
+
+@pytest.mark.parametrize("where, query, per_model", [
+    *(pytest.param(title, query, True, id=title) for title, query in dashboard_queries()),
+    *(pytest.param(name, query, False, id=name) for name, query in adapter_queries())])
+def test_no_query_reads_for_the_orchestrators_what_triton_counts_wrong_for_them(where, query,
+                                                                              per_model):
+    """A dashboard panel (one series per model) may divide Triton's queue time by its success
+    count: for an orchestrator, both count the wait before execute(). A pod-wide adapter rule
+    may not: it would mix the orchestrators' hand-offs into the sub-models' queueing."""
+    tree = promql_parser.parse(query)
+    wrong = unguarded(tree) & (BLIND_TO_ORCHESTRATORS | {QUEUE})
+    if per_model and QUEUE in wrong:
+        wrong -= {QUEUE, "nv_inference_request_success"}
+    assert not wrong, f"{where!r} reads {sorted(wrong)} for the orchestrators too: {query}"
+
+
+def test_the_orchestrators_failures_and_latency_come_from_their_own_metrics():
+    queries = {title: promql_parser.parse(query).prettify() for title, query in dashboard_queries()}
+    failed = next(q for title, q in queries.items() if title.startswith("Failed requests"))
+    assert re.search(r'bls_requests_total\{code!="SUCCESS"\}', failed), failed
+    compute = next(q for title, q in queries.items() if title.startswith("Compute time"))
+    assert {"bls_request_latency_seconds_sum", "bls_request_latency_seconds_count"} <= set(
+        re.findall(r"bls_[a-z_]+", compute)), compute
+
+
+def test_the_check_of_the_queries_catches_a_bare_triton_counter():
+    """The check above, on the dashboard's query as it was before the orchestrators' own series."""
+    bare = "sum by (model) (rate(nv_inference_request_failure[1m]))"
+    assert unguarded(promql_parser.parse(bare)) == {"nv_inference_request_failure"}
+    guarded = f"{bare} unless on(model) sum by (model) (rate(bls_requests_total[1m]))"
+    assert unguarded(promql_parser.parse(guarded)) == {"bls_requests_total"}
+    wrong_side = f"sum by (model) (rate(bls_requests_total[1m])) unless on(model) {bare}"
+    assert "nv_inference_request_failure" in unguarded(promql_parser.parse(wrong_side))
 
 
 def test_the_scrape_annotations_name_the_metrics_port():
