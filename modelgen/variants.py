@@ -83,8 +83,11 @@ VARIANTS = (
             embedder_timeout_ms="400", default_deadline_ms="1500"),
     variant(S.TAG_PIPELINE, "tag_pipeline_faulty", tagger_model="fault_tagger",
             default_deadline_ms="1500"),
+    # Coalescing off: each request is its own sub-request, so the queue-full test can count
+    # requests against fault_queue's queue (coalesced, arrivals behind a group in flight wait
+    # and go as one group, which the queue then fits).
     variant(S.PIPELINE, "pipeline_queue", preprocess_model="fault_preprocess",
-            classifier_model="fault_queue", embedder_model="fault_embedder"),
+            classifier_model="fault_queue", embedder_model="fault_embedder", coalesce="off"),
     variant(S.PIPELINE, "pipeline_crash", preprocess_model="fault_preprocess",
             classifier_model="fault_crash", embedder_model="fault_embedder",
             default_deadline_ms="3000"),

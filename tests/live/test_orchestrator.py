@@ -2,8 +2,9 @@
 load — against the real server, with the test-only fault models (modelgen/fault_model.py, modelgen/variants.py).
 
 The only timing assertions are behaviour the orchestrator promises: an error on time after the
-deadline (``support.assert_on_time``: the median within 50 ms, every one within 250 ms on a busy
-2-core host), and unrelated requests not waiting for a slow one.
+deadline (``support.assert_on_time``: the median within 50 ms, all but one within 250 ms and
+every one within 500 ms on a busy 2-core host), and unrelated requests not waiting for a slow
+one.
 """
 
 from __future__ import annotations
