@@ -110,7 +110,7 @@ test-unit: $(STAMP) ## Only the tests that need no server
 bench: models backend ## Run every benchmark (perf_analyzer; ~70 min, 27 of it tuning) -> bench/results/REPORT.md
 	$(PY) -m bench
 
-soak: models backend ## Soak both orchestrators (50 000 requests at concurrency 256; SOAK_ARGS) -> bench/results/soak.md
+soak: models backend ## Soak both orchestrators (100 000 requests at concurrency 512; SOAK_ARGS) -> bench/results/soak.md
 	$(PY) -m bench.soak $(SOAK_ARGS)
 
 $(addprefix bench-,$(BENCH_EXPERIMENTS)): bench-%: models backend ## (bench-orchestration, bench-fanout, ...) one experiment

@@ -899,10 +899,11 @@ def tuning(ctx: Context) -> Result:
 
 # -- 7. overload ----------------------------------------------------------------------------------
 def _admission(spec: S.ModelSpec) -> int:
-    """Requests a model takes before refusing: in flight per instance (plus a batch being handed
-    over) times instances, plus its queue."""
-    inflight = int(spec.parameters["max_inflight_requests"]) + spec.max_batch_size
-    return spec.instance_count * inflight + spec.batching.max_queue_size
+    """Requests a model takes before refusing: per instance, those in flight, those waiting for
+    a slot and a batch being handed over; times instances, plus its queue in Triton."""
+    per_instance = (int(spec.parameters["max_inflight_requests"])
+                    + int(spec.parameters["max_queued_requests"]) + spec.max_batch_size)
+    return spec.instance_count * per_instance + spec.batching.max_queue_size
 
 
 def overload(ctx: Context) -> Result:

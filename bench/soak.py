@@ -1,7 +1,7 @@
 """`python -m bench.soak` (`make soak`): a long, bounded load on both orchestrators that accounts
 for every request, and watches the memory of every process while it runs.
 
-    python -m bench.soak                               # 50 000 requests at concurrency 256
+    python -m bench.soak                               # 100 000 requests at concurrency 512
     python -m bench.soak --requests 5000 --concurrency 64
     python -m bench.soak --url 127.0.0.1:8001          # against a server already running
 
@@ -14,9 +14,10 @@ unique id, and the answer must come back with that id. The soak reports:
 - mismatches, answers that carry another request's id, which must be 0;
 - p50 and p99 per model;
 - Triton's own count of requests per orchestrator, which must equal what was sent;
-- the resident memory of tritonserver and of every model's stubs over time, and its growth per
-  10 000 requests after warm-up: a least-squares slope over the samples taken after the first
-  tenth of the requests.
+- memory over time: tritonserver's resident memory, and each stub's private memory (RssAnon,
+  what a leak grows; one series per stub, e.g. ``pipeline #0``) and its growth per 10 000
+  requests after warm-up: a least-squares slope over the samples taken after the first tenth of
+  the requests.
 
 It writes ``soak.json``, ``soak.csv`` (the memory samples), ``soak.png`` and ``soak.md`` into
 ``--out``.
@@ -37,10 +38,10 @@ from pathlib import Path
 
 import numpy as np
 
-from bench import profile
 from bls_models import spec as S
 from modelgen import nets
 from tritonlocal import procs
+from tritonlocal.launcher import group_stubs
 
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = ("pipeline", "tag_pipeline")
@@ -74,9 +75,13 @@ class Soak:
 
 # -- memory of the server's processes ----------------------------------------------------------------
 def process_memory(server_pid: int) -> dict[str, float]:
-    """MiB resident (RSS) of tritonserver and of each model's stubs (summed), from /proc."""
-    return {label: sum(procs.memory_mib(pid).get("VmRSS", 0.0) for pid in pids)
-            for label, pids in profile.server_processes(server_pid).items()}
+    """MiB, from /proc: tritonserver's resident memory (``tritonserver RSS``) and each stub's
+    private memory (``<model> #<n> private``, stubs numbered in pid order)."""
+    memory = {"tritonserver RSS": procs.memory_mib(server_pid).get("VmRSS", 0.0)}
+    for model, pids in group_stubs(server_pid).items():
+        for number, pid in enumerate(sorted(pids)):
+            memory[f"{model} #{number} private"] = procs.memory_mib(pid).get("RssAnon", 0.0)
+    return memory
 
 
 def growth_per_10k(samples: list[dict], key: str, total: int) -> float:
@@ -202,7 +207,7 @@ def report(soak: Soak, out: Path, command: str) -> Path:
             if max(v for _, v in series) >= 20:  # leave out idle models' small stubs
                 ax.plot(*zip(*series), label=key)
         ax.set_xlabel("requests completed")
-        ax.set_ylabel("resident memory (MiB)")
+        ax.set_ylabel("MiB (tritonserver: resident; stubs: private)")
         ax.set_title(f"Soak: {soak.requests} requests at concurrency {soak.concurrency}")
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=7)
@@ -226,7 +231,8 @@ def report(soak: Soak, out: Path, command: str) -> Path:
              "- errors by code: " + (", ".join(f"{c}: {n}" for c, n in soak.errors.items())
                                      or "none"),
              *[f"  - e.g. {c}: {e}" for c, e in soak.error_examples.items()], "",
-             "| process | RSS first → last sample (MiB) | growth per 10 000 requests after warm-up (MiB) |",
+             "| process (memory) | first → last sample (MiB) | growth per 10 000 requests after "
+             "warm-up (MiB) |",
              "|---|---|---|"]
     for key, (first, last) in sorted(soak.memory_mib.items(), key=lambda kv: -kv[1][1]):
         if last >= 20:
@@ -240,8 +246,8 @@ def report(soak: Soak, out: Path, command: str) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.soak", description=__doc__.splitlines()[0])
-    parser.add_argument("--requests", type=int, default=50_000)
-    parser.add_argument("--concurrency", type=int, default=256)
+    parser.add_argument("--requests", type=int, default=100_000)
+    parser.add_argument("--concurrency", type=int, default=512)
     parser.add_argument("--budget-s", type=float, default=120.0, help="deadline of each request")
     parser.add_argument("--max-seconds", type=float, default=3600.0, help="stop sending after this")
     parser.add_argument("--url", help="gRPC host:port of a running server (default: start one)")
