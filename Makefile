@@ -50,12 +50,12 @@ STAMP  := $(VENV)/.installed
 
 .DEFAULT_GOAL := help
 .PHONY: help venv backend backend-gpu gpu-host models configs serve test test-unit bench soak clean docker-build docker-run test-container gpu-check
-BENCH_EXPERIMENTS := ort_options orchestration coalescing fanout designs large_output clients tuning overload
+BENCH_EXPERIMENTS := ort_options orchestration overhead coalescing fanout designs large_output clients tuning overload
 
 help: ## Show this help
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-15s %s\n", $$1, $$2}'
 	@echo "  make bench-<experiment>  one experiment: $(BENCH_EXPERIMENTS)"
-	@echo "  Variables: HTTP_PORT GRPC_PORT METRICS_PORT MODEL_REPOSITORY MODEL_SIZE=small|full PYTEST_ARGS SOAK_ARGS"
+	@echo "  Variables: HTTP_PORT GRPC_PORT METRICS_PORT MODEL_REPOSITORY MODEL_SIZE=small|full|fast PYTEST_ARGS SOAK_ARGS"
 	@echo "  Backend:   TRITON_SOURCES=$(TRITON_SOURCES) ORT_HEADERS=$(ORT_HEADERS) BACKEND_CACHE=$(BACKEND_CACHE) BACKEND_GPU_CACHE=$(BACKEND_GPU_CACHE) GPU_RUNTIME=1 JOBS"
 	@echo "  GPU host:  make serve BLS_PROFILE=gpu|gpu-ort-trt (no Docker), make gpu-check GPU_CHECK_ARGS"
 	@echo "  Container: IMAGE TEST_IMAGE BLS_PROFILE=portable|gpu|gpu-ort-trt|gpu-trt GPUS SHM_SIZE TEST_SHM_SIZE PUBLISH_HOST CACHE_VOLUME TEST_CACHE_VOLUME"

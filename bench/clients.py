@@ -40,7 +40,9 @@ class InProcess:
     The two branches run concurrently, as the orchestrator runs them (ONNX Runtime releases the
     GIL): the embedder on a pool thread while the calling thread runs the classifier."""
 
-    def __init__(self, repository: Path, threads_per_session: int = 1) -> None:
+    def __init__(self, repository: Path, threads_per_session: int = 1,
+                 models: tuple[S.ModelSpec, ...] = (S.PREPROCESS, S.CLASSIFIER, S.EMBEDDER,
+                                                    S.TAGGER, S.TAGGER_TAGS)) -> None:
         import onnxruntime as ort
 
         options = ort.SessionOptions()
@@ -48,8 +50,7 @@ class InProcess:
         options.inter_op_num_threads = 1
         self.sessions = {m.name: ort.InferenceSession(str(export.onnx_path(repository, m)), options,
                                                       providers=["CPUExecutionProvider"])
-                         for m in (S.PREPROCESS, S.CLASSIFIER, S.EMBEDDER, S.TAGGER,
-                                   S.TAGGER_TAGS)}
+                         for m in models}
         self.branches = concurrent.futures.ThreadPoolExecutor(64, thread_name_prefix="branch")
 
     def pipeline(self, image: np.ndarray) -> dict[str, np.ndarray]:

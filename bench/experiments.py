@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench import clients, designs, perf, profile
+from bench import clients, designs, overhead, perf, profile
 from bench.perf import Point
 from bls_models import pipelines
 from bls_models import spec as S
@@ -1063,4 +1063,5 @@ EXPERIMENTS = {
     "tuning": tuning,
     "overload": overload,
     "ort_options": ort_options,
+    "overhead": overhead.overhead,
 }

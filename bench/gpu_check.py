@@ -11,7 +11,9 @@ ONNX Runtime's TensorRT engines are built before it reports ready), and compares
 within the tolerances of the profile's arithmetic (``TOLERANCES``). On the ``gpu`` profile it also
 checks the GPU-tensor path (the orchestrator's stubs hold GPU memory with ``gpu_tensors`` on and
 none with it off; throughput with it on and off; GPU memory and stub memory flat over a short
-soak) and runs perf_analyzer on ``pipeline`` against ``pipeline_ensemble``. The report goes to
+soak) and runs `make bench-overhead`'s experiment on its server (``pipeline`` against
+``pipeline_ensemble`` and the client calling the sub-models, where the models are fast for
+real). The report goes to
 ``bench/results/gpu-check/`` (CSV, JSON, REPORT.md, as ``make bench`` writes them).
 
 On a host without a GPU it prints one line and exits 0: there is nothing to check. This module
@@ -110,8 +112,11 @@ def plan(profiles=PROFILES, tensorrt_backend: Path | None = None) -> list[Step]:
                               f"{CONCURRENCY}"))
             steps.append(Step(profile, "soak", f"{SOAK_SECONDS} s at concurrency {CONCURRENCY}: "
                               "GPU memory (nvidia-smi) and stub memory flat"))
-            steps.append(Step(profile, "perf", "perf_analyzer pipeline vs pipeline_ensemble, "
-                              f"concurrency {', '.join(map(str, PERF_CONCURRENCY))}"))
+            steps.append(Step(profile, "perf", "make bench-overhead's experiment: the client "
+                              "calling the sub-models, pipeline and pipeline_ensemble "
+                              "(perf_analyzer) at concurrency "
+                              f"{', '.join(map(str, PERF_CONCURRENCY))}; each hop's latency; "
+                              "CPU per request; issue 21's targets"))
     steps.append(Step("-", "report", f"{OUT.relative_to(ROOT)}/REPORT.md (+ CSV, JSON)"))
     return steps
 
@@ -425,18 +430,23 @@ class Check:
                      "third; allowed +64 / +32)")
 
     def perf(self, server) -> None:
-        from bench import perf
+        """`make bench-overhead`'s experiment on the GPU's own server (bench/overhead.py), where
+        the models are fast for real: the client calling the sub-models, `pipeline` and
+        `pipeline_ensemble` at PERF_CONCURRENCY, each hop's latency, CPU per request, the
+        targets. No in-process run: it would be ONNX Runtime on the CPU."""
+        from bench import experiments, overhead, perf
 
         # A short run: 2 s windows, up to 6 trials, stable within 25 % (the benchmark's 15 % did
         # not settle at concurrency 8 and 32 in a CPU rehearsal of this step).
         settings = perf.Settings(window_ms=2000, stability=25, max_trials=6)
-        for model in ("pipeline", "pipeline_ensemble"):
-            self.result.add_run(model, perf.run(model, server.grpc_url, PERF_CONCURRENCY, settings))
-        best = {m: max((r["throughput"] for r in self.result.rows if r.get("variant") == m), default=0)
-                for m in ("pipeline", "pipeline_ensemble")}
-        ratio = best["pipeline"] / best["pipeline_ensemble"] if best["pipeline_ensemble"] else 0
-        self.line(f"- `gpu` perf_analyzer: best throughput pipeline {best['pipeline']:.0f}, "
-                  f"ensemble {best['pipeline_ensemble']:.0f} infer/s = **{ratio:.2f}**")
+        measured = experiments.Result("overhead", "")
+        overhead.measure(experiments.Context(server, ROOT, settings), measured, server, None,
+                         PERF_CONCURRENCY, seconds=4.0)
+        self.result.rows += measured.rows
+        self.result.commands += measured.commands
+        self.line("- `gpu` overhead (`make bench-overhead`'s experiment on this server):")
+        for text in measured.summary:
+            self.line(text)
 
 
 class _NoSettings:

@@ -109,7 +109,7 @@ def export_all(repository: Path, size: str, force: bool = False) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Export the repository's ONNX models.")
     parser.add_argument("--repository", type=Path, default=Path("model_repository"))
-    parser.add_argument("--size", choices=("small", "full"),
+    parser.add_argument("--size", choices=("small", "full", "fast"),
                         default=os.environ.get("MODEL_SIZE", "small"),
                         help="network size (default: $MODEL_SIZE or 'small')")
     parser.add_argument("--force", action="store_true", help="export even if up to date")

@@ -6,7 +6,11 @@ real serving pipeline, not to classify real images. Two sizes:
 - ``small`` (default): one pipeline request (preprocess + classifier + embedder) costs about
   7 ms of single-threaded CPU on the 2-core dev machine, so tests and benchmarks finish quickly;
 - ``full``: ResNet-50 depth and width for the classifier (bottleneck blocks, [3, 4, 6, 3],
-  64..2048 channels) and a MobileNetV2-sized embedder — the cost of real models, for GPU runs.
+  64..2048 channels) and a MobileNetV2-sized embedder — the cost of real models, for GPU runs;
+- ``fast``: the classifier and the embedder reduced to a per-channel mean and one linear map
+  (``Fast``), with the same inputs and outputs, so the same bytes move; the other models as in
+  ``small``. A sub-model then costs a few tens of microseconds, as on a GPU, and what is left is
+  the cost of serving around it: the proxy for a GPU host on a CPU (``make bench-overhead``).
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from torch.nn import functional as F
 
 from bls_models import spec as S
 
-SIZES = ("small", "full")
+SIZES = ("small", "full", "fast")
 
 
 @dataclass(frozen=True)
@@ -210,6 +214,21 @@ class Postprocess(nn.Module):
         return ids, probs
 
 
+class Fast(nn.Module):
+    """PIXELS [B,3,H,W] -> [B,outputs]: the mean of each colour channel over the image (ONNX
+    ReduceMean), then one linear map (MatMul + Add); L2-normalised for an embedding. The
+    classifier's or the embedder's contract at almost no cost (size ``fast``)."""
+
+    def __init__(self, outputs: int, normalise: bool) -> None:
+        super().__init__()
+        self.head = nn.Linear(3, outputs)
+        self.normalise = normalise
+
+    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+        out = self.head(pixels.mean(dim=(2, 3)))
+        return F.normalize(out, p=2.0, dim=1, eps=1e-12) if self.normalise else out
+
+
 # A distinct, fixed seed per model: every export of a model is bit-identical.
 # tagger_tags is the tagger with a reduction on top: the same seed, so the same weights.
 SEEDS = {"preprocess": 0, "classifier": 1, "embedder": 2, "tagger": 3, "tagger_tags": 3,
@@ -221,10 +240,14 @@ def build(name: str, size: str = "small") -> nn.Module:
     if size not in SIZES:
         raise ValueError(f"unknown model size '{size}' (choose from {', '.join(SIZES)})")
     torch.manual_seed(SEEDS[name])
+    fast = size == "fast"
+    size = "small" if fast else size  # fast: only the classifier and the embedder differ
     factories = {
         "preprocess": Preprocess,
-        "classifier": lambda: Classifier(RESNET[size]),
-        "embedder": lambda: Embedder(MOBILE[size]),
+        "classifier": (lambda: Fast(S.NUM_CLASSES, normalise=False)) if fast
+        else lambda: Classifier(RESNET[size]),
+        "embedder": (lambda: Fast(S.EMBEDDING_DIM, normalise=True)) if fast
+        else lambda: Embedder(MOBILE[size]),
         "tagger": lambda: Tagger(TAGGER_HIDDEN[size]),
         "tagger_tags": lambda: TaggerTags(Tagger(TAGGER_HIDDEN[size])),
         "postprocess": Postprocess,

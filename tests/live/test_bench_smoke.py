@@ -29,3 +29,17 @@ def test_experiment_runs_and_writes_its_results(name, context, tmp_path):
     assert (tmp_path / f"{name}.png").stat().st_size > 0
     text = report.assemble(tmp_path).read_text()
     assert result.title in text and "quick smoke settings" in text
+
+
+def test_the_gpu_checks_overhead_step_runs_without_an_in_process_comparison(context, server):
+    """`make gpu-check` runs the overhead experiment on the GPU's server with no in-process run
+    (bench/gpu_check.py, ``Check.perf``): the same code path, here on this server."""
+    from bench import overhead
+
+    result = experiments.Result("overhead", "")
+    overhead.measure(context, result, server, None, [1], seconds=1.0)
+    variants = {row["variant"] for row in result.rows}
+    assert "in-process onnxruntime" not in variants
+    assert {"BLS `pipeline`", "`pipeline_ensemble`", "client calls sub-models"} <= variants
+    assert not [line for line in result.summary if "perf_analyzer failed" in line]
+    assert sum("target" in line for line in result.summary) == 3, result.summary

@@ -97,3 +97,18 @@ def test_full_size_networks_build():
     assert sum(p.numel() for p in classifier.parameters()) > 20_000_000  # ResNet-50 class
     with torch.no_grad():
         assert classifier(torch.zeros(1, 3, 224, 224)).shape == (1, S.NUM_CLASSES)
+
+
+@pytest.mark.parametrize("model", [S.CLASSIFIER, S.EMBEDDER], ids=lambda m: m.name)
+def test_fast_size_keeps_the_contract(tmp_path, model):
+    """Size ``fast`` (the proxy for a GPU host, bench/overhead.py): the same tensors in and out as
+    the committed model, and answers that depend on the image."""
+    path = export.onnx_path(tmp_path, model)
+    export.export_model(model, path, "fast")  # checks names and dims against the spec
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    pixels = nets.example_input(model, batch=4).numpy()
+    (out,) = session.run([model.outputs[0].name], {"PIXELS": pixels})
+    assert out.shape == (4, *model.outputs[0].dims)
+    assert len({row.tobytes() for row in out}) == 4, "a constant function of the image"
+    if model is S.EMBEDDER:
+        np.testing.assert_allclose(np.linalg.norm(out, axis=1), 1.0, rtol=1e-5)

@@ -1,0 +1,254 @@
+"""`make bench-overhead`: what serving around the models costs where the models are fast.
+
+On a GPU a sub-model runs in a millisecond or two, and throughput and latency are decided by
+what surrounds it: the orchestrator's own Python, the python backend's IPC, tritonserver. The
+committed CPU CNNs (about 10 ms per image here) hide that cost. This experiment shows it on a
+CPU: the committed repository — every config and the orchestrators' code as committed — with its
+ONNX models exported at size ``fast`` (modelgen/nets.py: the classifier and the embedder reduced
+to a channel mean and one linear map with the same tensors in and out, preprocess unchanged), in
+a directory of its own, served by a server of its own.
+
+Measured, side by side in one run:
+
+- throughput, p50 and p99 at concurrency 1 to 64 of four ways to get the same answer: in-process
+  ONNX Runtime, the client calling the sub-models itself (gRPC), the BLS ``pipeline`` and
+  ``pipeline_ensemble`` (perf_analyzer, gRPC);
+- CPU per request of every process (tritonserver, each model's stubs, the load generator) with
+  ``pipeline`` and with ``pipeline_ensemble`` driven at concurrency 16;
+- the latency each hop adds at concurrency 1, in µs: one model through Triton against the same
+  ONNX Runtime session in-process, and each way of orchestrating against in-process.
+
+The targets are issue 21's: ``pipeline`` at ≥ 0.8× the ensemble's best throughput, ≤ 0.3 ms
+over the ensemble's p50 at concurrency 1, and ≤ 0.25 ms of orchestrator-stub CPU per request at
+concurrency 16.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from bench import clients, perf, profile
+from bench.perf import Point
+from bls_models import spec as S
+from modelgen import export, nets
+from tritonlocal import TritonServer, on_free_ports
+
+ROOT = Path(__file__).resolve().parents[1]
+SIZE = "fast"
+LEVELS = (1, 2, 4, 8, 16, 32, 64)
+ACCOUNTING_CONCURRENCY = 16
+HOP_REQUESTS = 400          # sequential requests per single-model latency (concurrency 1)
+STAGES = (S.PREPROCESS, S.CLASSIFIER, S.EMBEDDER)
+TARGETS = {  # issue 21
+    "throughput": 0.8,       # pipeline / ensemble, best concurrency: at least
+    "p50_over_ms": 0.3,      # pipeline - ensemble p50 at concurrency 1: at most
+    "stub_cpu_ms": 0.25,     # pipeline's stubs, CPU ms per request at concurrency 16: at most
+}
+
+
+SERVED = (*STAGES, S.POSTPROCESS, S.PIPELINE, S.PIPELINE_ENSEMBLE)
+
+
+def fast_repository(target: Path, repository: Path) -> Path:
+    """What ``pipeline`` and ``pipeline_ensemble`` need of ``repository`` — configs and
+    orchestrator code as they are there — in ``target`` (a new directory), with the ONNX models
+    exported at size ``fast``. ``repository`` itself is only read."""
+    for model in SERVED:
+        shutil.copytree(repository / model.name, target / model.name,
+                        ignore=shutil.ignore_patterns("*.onnx", "*.plan", "*.tmp", "__pycache__"))
+    for model in SERVED:
+        if model.backend == "onnxruntime":
+            export.export_model(model, export.onnx_path(target, model), SIZE)
+    return target
+
+
+def _in_process_stage(local: clients.InProcess, model: S.ModelSpec, count: int) -> Point:
+    """One ONNX Runtime session, ``count`` calls one after another: the work of one hop."""
+    (tensor,) = model.inputs
+    data = nets.example_input(model, batch=1).numpy()
+    session = local.sessions[model.name]
+    for _ in range(20):
+        session.run(None, {tensor.name: data})
+    latencies = []
+    started = time.monotonic()
+    for _ in range(count):
+        sent = time.monotonic()
+        session.run(None, {tensor.name: data})
+        latencies.append(time.monotonic() - sent)
+    return clients.point(1, latencies, time.monotonic() - started)
+
+
+def _best(points: list[Point]) -> Point | None:
+    return max(points, key=lambda p: p.throughput) if points else None
+
+
+def _at(points: list[Point], concurrency: int) -> Point | None:
+    return next((p for p in points if p.concurrency == concurrency), None)
+
+
+def _verdict(label: str, value: float | None, limit: float, higher_is_better: bool,
+             unit: str = "") -> str:
+    if value is None:
+        return f"- {label}: not measured"
+    met = value >= limit if higher_is_better else value <= limit
+    sign = "≥" if higher_is_better else "≤"
+    return (f"- {label}: **{value:.2f}{unit}** (target {sign} {limit}{unit}) — "
+            + ("met" if met else f"**missed** by {abs(value - limit):.2f}{unit}"))
+
+
+def overhead(ctx) -> object:
+    from bench.experiments import Result
+
+    result = Result("overhead", "Overhead: the committed pipeline over fast sub-models "
+                                "(the proxy for a GPU host)")
+    levels = [1, 4] if ctx.quick else list(LEVELS)
+    seconds = 1.0 if ctx.quick else 6.0
+    log = ROOT / ".triton" / f"overhead-tritonserver-{time.strftime('%Y%m%d-%H%M%S')}.log"
+    with tempfile.TemporaryDirectory(prefix="overhead-") as tmp:
+        repository = fast_repository(Path(tmp) / "model_repository", ctx.repository)
+        with TritonServer(on_free_ports(repository, log)) as server:
+            measure(ctx, result, server, repository, levels, seconds)
+    result.summary.append(f"- This experiment's server log: `{log.relative_to(ROOT)}`.")
+    result.plot = {"kind": "curve", "title": "Fast sub-models: throughput vs p95 latency",
+                   "filter": {"scenario": None}}
+    return result
+
+
+def measure(ctx, result, server: TritonServer, repository: Path | None, levels: list[int],
+            seconds: float) -> None:
+    """The experiment against ``server``. ``repository``: where the ONNX files are for the
+    in-process comparison on this CPU; None on a GPU host (``make gpu-check``), where the models
+    run on the GPU and an in-process CPU run compares nothing."""
+    url = server.grpc_url
+    local = clients.InProcess(repository, models=STAGES) if repository else None
+    image = nets.synthetic_images(1, seed=5).numpy()
+    inproc = ([local.measure(lambda: local.pipeline(image), c, seconds) for c in levels]
+              if local else [])
+    for p in inproc:
+        result.add("in-process onnxruntime", p, protocol="none")
+    count = (lambda c: 40) if ctx.quick else (lambda c: max(1000, 150 * c))
+    direct = [asyncio.run(clients.client_pipeline(url, c, count(c))) for c in levels]
+    for p in direct:
+        result.add("client calls sub-models", p)
+    bls = result.add_run("BLS `pipeline`", perf.run("pipeline", url, levels, ctx.settings))
+    ens = result.add_run("`pipeline_ensemble`", perf.run("pipeline_ensemble", url, levels,
+                                                         ctx.settings))
+    ways = {"in-process": inproc, "direct": direct, "bls": bls, "ensemble": ens}
+    labels = {"in-process": "in-process ONNX Runtime", "direct": "client calls sub-models",
+              "bls": "BLS `pipeline`", "ensemble": "`pipeline_ensemble`"}
+    best = {k: _best(v) for k, v in ways.items()}
+    one = {k: _at(v, 1) for k, v in ways.items()}
+    result.summary += [
+        "| way | best throughput (req/s) | at concurrency | p50 / p99 at concurrency 1 (ms) |",
+        "|---|---|---|---|",
+        *[f"| {labels[k]} | {best[k].throughput:.0f} | {best[k].concurrency} | "
+          f"{one[k].p50_ms:.2f} / {one[k].p99_ms:.2f} |" for k in ways if best[k] and one[k]],
+    ]
+    result.summary += hops(ctx, result, url, local, one)
+    result.summary += cpu(ctx, result, server, local, image)
+    ratio = (best["bls"].throughput / best["ensemble"].throughput
+             if best["bls"] and best["ensemble"] else None)
+    over = one["bls"].p50_ms - one["ensemble"].p50_ms if one["bls"] and one["ensemble"] else None
+    stub = result.data.get("pipeline_stub_cpu_ms")
+    result.summary += [
+        "", "Targets (issue 21):", "",
+        _verdict("`pipeline` / ensemble, best throughput", ratio, TARGETS["throughput"], True),
+        _verdict("`pipeline` − ensemble, p50 at concurrency 1", over, TARGETS["p50_over_ms"],
+                 False, " ms"),
+        _verdict("`pipeline` stubs' CPU per request at concurrency "
+                 f"{result.data.get('accounting_concurrency')}",
+                 stub, TARGETS["stub_cpu_ms"], False, " ms"),
+    ]
+    result.data.update({"throughput_ratio": ratio, "p50_over_ensemble_ms": over,
+                        "best": {k: p.throughput for k, p in best.items() if p},
+                        "p50_c1_ms": {k: p.p50_ms for k, p in one.items() if p}})
+
+
+def hops(ctx, result, url: str, local: clients.InProcess | None, one: dict) -> list[str]:
+    """What one hop through Triton adds at concurrency 1: each stage model alone through Triton
+    against its session in-process, and each way of orchestrating against in-process."""
+    count = 40 if ctx.quick else HOP_REQUESTS
+    lines = ["", f"Latency added per hop at concurrency 1 (p50 of {count} sequential requests, "
+             "µs): one model through Triton (gRPC) against the same model in-process.", "",
+             "| model | in-process (µs) | through Triton (µs) | added (µs) |", "|---|---|---|---|"]
+    added = {}
+    for model in STAGES:
+        alone = _in_process_stage(local, model, count) if local else None
+        (tensor,) = model.inputs
+        served = clients.sequential_latency(url, model.name, {
+            tensor.name: nets.example_input(model, batch=1).numpy()}, count)
+        result.add(f"{model.name} alone, through Triton", served, scenario="hop")
+        if alone is None:
+            lines.append(f"| `{model.name}` | – | {1000 * served.p50_ms:.0f} | – |")
+            continue
+        result.add(f"{model.name} alone, in-process", alone, scenario="hop")
+        added[model.name] = 1000 * (served.p50_ms - alone.p50_ms)
+        lines.append(f"| `{model.name}` | {1000 * alone.p50_ms:.0f} | {1000 * served.p50_ms:.0f} "
+                     f"| {added[model.name]:.0f} |")
+    base = one.get("in-process")
+    if base:
+        # Hops per request: the client's call, then each model's (the ensemble's four steps,
+        # the BLS pipeline's three sub-requests, the client's three calls).
+        lines += ["", "| way | p50 at concurrency 1 (µs) | over in-process (µs) | hops | per hop "
+                  "(µs) |", "|---|---|---|---|---|"]
+        for key, label, count_hops in (("direct", "client calls sub-models", 3),
+                                       ("ensemble", "`pipeline_ensemble`", 5),
+                                       ("bls", "BLS `pipeline`", 4)):
+            p = one.get(key)
+            if p:
+                extra = 1000 * (p.p50_ms - base.p50_ms)
+                lines.append(f"| {label} | {1000 * p.p50_ms:.0f} | {extra:.0f} | {count_hops} | "
+                             f"{extra / count_hops:.0f} |")
+    result.data["hop_added_us"] = added
+    return lines
+
+
+def cpu(ctx, result, server: TritonServer, local: clients.InProcess | None,
+        image: np.ndarray) -> list[str]:
+    """CPU per request of every process, ``pipeline`` and the ensemble each driven alone."""
+    concurrency = 4 if ctx.quick else ACCOUNTING_CONCURRENCY
+    seconds = 2.0 if ctx.quick else 15.0
+    loads = {way: profile.drive(server, model, concurrency, seconds,
+                                warmup=1 if ctx.quick else 5)
+             for way, model in (("bls", "pipeline"), ("ensemble", "pipeline_ensemble"))}
+    columns = {way: load.cpu_ms_per_request() for way, load in loads.items()}
+    throughput = {way: load.requests / load.seconds for way, load in loads.items()}
+    if local is not None:
+        measured, inproc_ms = local.cpu_per_request(lambda: local.pipeline(image), 4, seconds)
+        columns["in-process"] = {"in-process (one Python process)": inproc_ms}
+        throughput["in-process"] = measured.throughput
+    for way, values in columns.items():
+        for process, ms in values.items():
+            result.rows.append({"experiment": result.name, "variant": f"cpu: {way}",
+                                "scenario": "cpu accounting", "process": process,
+                                "cpu_ms_per_request": round(ms, 4),
+                                "throughput": round(throughput[way], 2)})
+    order = [k for k in ("in-process", "bls", "ensemble") if k in columns]
+    heads = {"in-process": "in-process", "bls": "BLS `pipeline`",
+             "ensemble": "`pipeline_ensemble`"}
+    names = sorted({k for v in columns.values() for k in v},
+                   key=lambda k: -max(v.get(k, 0.0) for v in columns.values()))
+    lines = ["", f"CPU per request by process (ms), each way driven alone at concurrency "
+             f"{concurrency} for {seconds:.0f} s (in-process: 4 threads), from /proc; the ONNX "
+             "models run inside tritonserver:", "",
+             "| process | " + " | ".join(heads[k] for k in order) + " |",
+             "|---|" + "---|" * len(order)]
+    for name in names:
+        cells = [columns[k].get(name, 0.0) for k in order]
+        if max(cells) >= 0.005:
+            lines.append(f"| {name} | " + " | ".join(f"{c:.3f}" if c else "–" for c in cells)
+                         + " |")
+    lines.append("| **total** | " + " | ".join(
+        f"**{sum(columns[k].values()):.3f}**" for k in order) + " |")
+    lines.append("| throughput in this period (req/s) | " + " | ".join(
+        f"{throughput[k]:.0f}" for k in order) + " |")
+    result.data["pipeline_stub_cpu_ms"] = columns["bls"].get("pipeline stubs")
+    result.data["accounting_concurrency"] = concurrency
+    result.data["cpu_ms_per_request"] = columns
+    return lines
