@@ -14,9 +14,14 @@ Two figures per stub, printed (pytest -s) and recorded in docs/orchestrator.md:
   stub by ~500 MiB over those 7 000; the bound catches a leak of ~19 KB per request. The stubs
   over the logits tagger have their own bound (their test says why).
 - the python backend's shared-memory region: a pool that grows to the peak of tensors alive at
-  once and never shrinks (Triton 2.51). Bounded by a cap derived from that peak, or by the
-  budget /dev/shm is sized with, not by zero.
+  once and never shrinks (Triton 2.51). The server is the suite's, so earlier tests (overload,
+  bursts of large batches) may have grown it already: the region must not grow over the
+  measured run by more than one growth step (16 MiB) past its size after the warm-up, and a
+  region that had not grown before it (still at its 32 MiB start) must stay within a cap derived
+  from this load's peak, or the budget /dev/shm is sized with.
 """
+GROWTH_STEP_MIB = 16  # shm-growth-byte-size (tritonlocal.shm)
+START_MIB = 32        # shm-default-byte-size
 
 from __future__ import annotations
 
@@ -44,6 +49,7 @@ def measure(server, model, warm_up, requests, data, name, dtype, region_cap_mib,
     pids = stub_pids(server, model)
     assert len(pids) == S.model(base or model).instance_count
     run(server, model, warm_up, data, name, dtype)
+    before = {pid: memory(pid)["region"] for pid in pids}
     samples = {pid: [] for pid in pids}
     for _ in range(SAMPLES):
         run(server, model, requests // SAMPLES, data, name, dtype)
@@ -53,12 +59,14 @@ def measure(server, model, warm_up, requests, data, name, dtype, region_cap_mib,
           "MiB after each tenth; shm region MiB at the end:")
     for pid, taken in samples.items():
         print(f"  stub {pid}: " + " ".join(f"{s['private']:.0f}" for s in taken)
-              + f"; region {taken[-1]['region']:.0f}")
+              + f"; region {before[pid]:.0f} after the warm-up, {taken[-1]['region']:.0f} at the end")
     for pid, taken in samples.items():
         private = [s["private"] for s in taken]
         growth = statistics.median(private[-3:]) - statistics.median(private[:3])
         assert growth < bound_mib, (pid, private)
-        assert taken[-1]["region"] <= region_cap_mib, (pid, taken[-1])
+        assert taken[-1]["region"] <= before[pid] + GROWTH_STEP_MIB, (pid, before[pid], taken[-1])
+        if before[pid] <= START_MIB:
+            assert taken[-1]["region"] <= region_cap_mib, (pid, taken[-1])
 
 
 def test_pipeline_stub_memory_is_flat_over_10000_requests(server):
