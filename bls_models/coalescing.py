@@ -195,7 +195,7 @@ class Coalescer:
     async def _run(self, output_names: list[str], members: list[Member]) -> None:
         holding = [True]  # this task's slot in in_flight (isolation gives it back while waiting)
         try:
-            self.on_group(len(members))
+            self.on_group(sum(member.part.rows for member in members))
             started = time.monotonic()
             straggler = asyncio.get_running_loop().call_later(
                 self._straggler_after(), self._give_back, holding)

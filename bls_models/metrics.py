@@ -61,7 +61,7 @@ FAMILIES: dict[str, tuple[str, str]] = {
     "bls_inflight_requests": (
         "GAUGE", "Requests being orchestrated right now"),
     "bls_coalesced_group_size": (
-        "HISTOGRAM", "Requests per sub-request sent to a stage, with coalescing on"),
+        "HISTOGRAM", "Rows per sub-request sent to a stage, with coalescing on"),
     "bls_inflight_subrequests": (
         "GAUGE", "Sub-requests sent to a sub-model and not yet answered, abandoned ones "
                  "included (at most subrequest_threads per instance)"),

@@ -82,12 +82,63 @@ class Job:
     # False at first for a request execute took at once: the scheduler had just checked it.
     cancelled: bool | None = None
     cancel_answer_expires: bool = False  # a reset at the end of this loop turn is scheduled
+    # A group (``group``): the member jobs whose stacked rows it runs, and how a member leaves
+    # the group early (a cancelled one is answered at once). None for a client request.
+    members: list | None = None
+    drop: object = None
 
     def first(self, event: str) -> bool:
         """Whether ``event`` happens to this request for the first time (event loop only)."""
         first = event not in self.counted
         self.counted.add(event)
         return first
+
+    def live(self) -> list["Job"]:
+        """The client requests this job still answers for: itself, or a group's members not
+        answered yet."""
+        if self.members is None:
+            return [] if self.answered else [self]
+        return [member for member in self.members if not member.answered]
+
+
+def group(members: list[Job]) -> Job:
+    """One job over the stacked rows of ``members`` (started together, with the same deadline,
+    input shapes and dtypes, and requested outputs): the run function runs once for all of
+    them, and each member is answered from its own rows (``rows_of``). A single member is its
+    own job."""
+    if len(members) == 1:
+        return members[0]
+    first = members[0]
+    job = Job(first.deadline, min(m.received for m in members),
+              request_id=",".join(m.request_id for m in members if m.request_id),
+              inputs={name: np.concatenate([m.inputs[name] for m in members])
+                      for name in first.inputs},
+              rows=sum(m.rows for m in members), outputs=first.outputs, members=list(members))
+    job.started = job.admitted = True
+    return job
+
+
+def group_key(job: Job) -> tuple:
+    """Jobs with equal keys can run as one group."""
+    return (job.deadline.end, job.deadline.label, tuple(job.outputs),
+            tuple((name, value.dtype.str, value.shape[1:]) for name, value in job.inputs.items()))
+
+
+def rows_of(outputs: dict, members: list[Job], rows: int, names: list[str]) -> list[dict]:
+    """A group's outputs ``names`` back by its members' rows (views). Raises ValueError when
+    one is missing or does not have one row per row of the group."""
+    outputs = {name: outputs.get(name) for name in names}
+    for name, value in outputs.items():
+        if value is None:
+            raise ValueError(f"the pipeline returned no output '{name}'")
+        if getattr(value, "ndim", 0) == 0 or value.shape[0] != rows:
+            raise ValueError(f"output '{name}' has shape {getattr(value, 'shape', ())}, not "
+                             f"{rows} rows like the group")
+    parts, start = [], 0
+    for member in members:
+        parts.append({name: value[start:start + member.rows] for name, value in outputs.items()})
+        start += member.rows
+    return parts
 
 
 class Responder:
@@ -149,33 +200,39 @@ class Responder:
 
     # -- slots (the event loop's thread) ----------------------------------------------------
     def enter(self, jobs: list[Job], run, loop) -> None:
-        """Admitted jobs reach the event loop: each gets a slot and ``run(job)``, or waits for
-        one (first come, first served) until its deadline."""
+        """Admitted jobs reach the event loop: each gets a slot, or waits for one (first come,
+        first served) until its deadline. Those that got one go to ``run(jobs)`` together."""
+        started = []
         for job in jobs:
             if self.running < self.max_inflight and not self.waiting:
                 self.running += 1
                 job.running = True
-                run(job)
+                started.append(job)
             else:
                 job.cancelled = None  # it waits: ask the client again before its first stage
                 job.expiry = loop.call_later(max(0.0, job.deadline.end - time.monotonic()),
                                              self._expired, job)
                 self.waiting.append(job)
+        if started:
+            run(started)
 
-    def leave(self, job: Job, run) -> None:
-        """A running job was answered: its slot goes to the next job waiting for one (unless
-        ``run`` is None)."""
-        if not job.running:
-            return
-        job.running = False
-        self.running -= 1
+    def leave(self, jobs: list[Job], run) -> None:
+        """Running jobs were answered: their slots go to the next jobs waiting for one, handed
+        to ``run(jobs)`` together (unless ``run`` is None)."""
+        for job in jobs:
+            if job.running:
+                job.running = False
+                self.running -= 1
+        following = []
         while run is not None and self.waiting and self.running < self.max_inflight:
-            following = self.waiting.popleft()
-            if following.answered:  # shutdown answered it
+            job = self.waiting.popleft()
+            if job.answered:  # shutdown answered it
                 continue
-            following.expiry.cancel()
+            job.expiry.cancel()
             self.running += 1
-            following.running = True
+            job.running = True
+            following.append(job)
+        if following:
             run(following)
 
     def _expired(self, job: Job) -> None:
@@ -238,6 +295,19 @@ class Responder:
                 self.metrics.increment("bls_requests_total", code=code)
                 self.metrics.observe("bls_request_latency_seconds",
                                      time.monotonic() - job.received)
+
+    def release(self, job: Job) -> None:
+        """A group is over: its stacked inputs and the GPU buffers its stages kept go. Never
+        raises."""
+        job.inputs = {}
+        try:
+            with self.pb_lock:  # backend objects die under the pb_utils lock
+                for device in job.device_tensors:
+                    device.release()
+                job.device_tensors.clear()
+        except Exception:  # noqa: BLE001
+            self.log(f"releasing group '{job.request_id}' failed:\n{traceback.format_exc()}",
+                     error=True)
 
     def _response(self, job: Job, outputs: dict | None, error: PipelineError | None):
         """(code, response) for the answer: the outputs, else the error, else INTERNAL when the

@@ -38,6 +38,10 @@ from bls_models.responder import Job
 from bls_models.stagelock import StageLock
 from bls_models.workers import Workers
 
+# Marks a job (``Job.counted``) one of whose sub-requests failed for a reason no item of it
+# causes: a failed group is then not re-run member by member (it would hit that stage again).
+STAGE_WIDE = "stage-wide failure"
+
 # Sub-requests and responses a thread got back from exec after the model was finalized: kept
 # here, never destroyed by this runtime (destroying them is a pb_utils call); the stub process
 # exits after finalize.
@@ -191,10 +195,7 @@ class SubRequests:
         """The ``call`` a pipeline gets: one sub-request of ``job`` to ``stage`` (alone, or
         with others' when coalescing), raising the client's error when it fails."""
         model = self.config.stage(stage).model
-        if self.cancelled(job):
-            if job.first("cancelled"):
-                self.metrics.increment("bls_cancelled_requests_total", stage=stage)
-            raise Cancelled(stage)
+        self._check_cancelled(job, stage)
         limit, what, limit_ms = job.deadline.stage_limit(self.config.stage(stage).timeout_ms)
         if limit <= 0:
             self._count_deadline(job, stage)
@@ -217,12 +218,31 @@ class SubRequests:
             raise DeadlineExceeded(stage, model, limit_ms, what)
         if outcome.internal:
             self._count_error(stage, Kind.INTERNAL)
+            job.counted.add(STAGE_WIDE)
             raise internal_error(self.model, stage)
         if outcome.error is not None:
             failure = sub_request_failed(stage, model, outcome.error)
             self._count_error(stage, failure.kind)
+            if failure.kind is not Kind.INVALID:
+                job.counted.add(STAGE_WIDE)
             raise failure
         return outcome.outputs
+
+    def _check_cancelled(self, job: Job, stage: str) -> None:
+        """Raise ``Cancelled`` if the client cancelled ``job``; for a group, if every member
+        still running was cancelled (the others are answered at once, through ``job.drop``,
+        and their rows go on with the group's)."""
+        live = job.live() if job.members is not None else [job]
+        gone = [member for member in live if self.cancelled(member)]
+        if not gone:
+            return
+        for member in gone:
+            if member.first("cancelled"):
+                self.metrics.increment("bls_cancelled_requests_total", stage=stage)
+        if len(gone) == len(live):
+            raise Cancelled(stage)
+        for member in gone:
+            job.drop(member, Cancelled(stage))
 
     def cancelled(self, job: Job) -> bool:
         """Whether the client cancelled ``job``, asked before each stage (on the event loop, the
@@ -390,7 +410,8 @@ class SubRequests:
         """A sub-request failed on the deadline: counted per sub-request (the stage's errors),
         and the request's deadline once per request, at the first stage that hit it."""
         if job.first("deadline"):
-            self.metrics.increment("bls_deadline_exceeded_total", stage=stage)
+            self.metrics.increment("bls_deadline_exceeded_total", len(job.live()) or 1,
+                                   stage=stage)
         self._count_error(stage, Kind.DEADLINE)
 
     def close(self, seconds: float) -> int:

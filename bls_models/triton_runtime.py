@@ -81,12 +81,13 @@ import numpy as np
 
 from bls_models import params, repository
 from bls_models import spec as S
+from bls_models.coalescing import IsolationBudget
 from bls_models.deadline import Deadline
 from bls_models.definition import PipelineDef, Setup, registered
-from bls_models.errors import Code, InvalidInput, PipelineError, internal_error
+from bls_models.errors import Code, InvalidInput, Kind, PipelineError, internal_error
 from bls_models.metrics import FLUSH_SECONDS, HISTOGRAM_FLUSH_SECONDS, Metrics
-from bls_models.responder import Job, Responder
-from bls_models.subrequests import SubRequests
+from bls_models.responder import Job, Responder, group, group_key, rows_of
+from bls_models.subrequests import STAGE_WIDE, SubRequests
 
 _NUMPY = {name: np.dtype(dtype) for name, dtype in S.DTYPES.items()}
 SHUTDOWN_DRAIN_SECONDS = 10.0   # finalize waits this long for requests in flight
@@ -113,6 +114,12 @@ class Orchestrator:
         self.run = self.definition.run_function()
         self.setup = Setup(options=self.config.options, contracts=self.contracts)
         self.input_names = [t["name"] for t in config["input"]]
+        # The most rows run as one group: this model's batch, and what every stage takes.
+        stage_rows = repository.stage_max_batch(repositories, self.config.stages)
+        self.group_rows = min([max(1, int(config.get("max_batch_size", 0)))]
+                              + [rows for rows in stage_rows.values() if rows > 0])
+        # Re-runs of a failed group's members, one by one (``_answer_members``).
+        self.isolation = IsolationBudget(self.group_rows)
         self.output_dtypes = {t["name"]: _NUMPY[t["data_type"]] for t in config["output"]}
         # gpu_tensors: a stage's pass-through outputs stay on the GPU only if its model is
         # configured KIND_GPU (the GPU profiles). Asking a CPU instance for GPU output memory
@@ -139,7 +146,7 @@ class Orchestrator:
         self.subrequests = SubRequests(
             pb_utils, self.lock, self.loop, self.metrics, self.config, self.pass_through,
             self.model, self.log, self.finalized,
-            max_rows=repository.stage_max_batch(repositories, self.config.stages),
+            max_rows=stage_rows,
             # Every instance of this model shares it (their stub processes serve one directory).
             lock_key=str(Path(args["model_repository"]).resolve()))
         self.log(f"orchestrating '{self.definition.name}': " + ", ".join(
@@ -259,23 +266,53 @@ class Orchestrator:
                 job.started = False
                 self.responder.answer(job, error=self._shutting_down())
 
-    def _run(self, job: Job) -> None:
-        """A job got a slot (event loop). Once shutdown cancels what is running, a job that
-        was waiting is answered instead of started."""
+    def _run(self, jobs: list[Job]) -> None:
+        """Jobs got slots (event loop): those that can go together (``responder.group_key``:
+        the requests of one ``execute`` batch, as a rule) run as groups of at most
+        ``group_rows`` rows, one task per group. Once shutdown cancels what is running, they
+        are answered instead of started."""
         if self.cancelling:
-            self.responder.answer(job, error=self._shutting_down())
-            self.responder.leave(job, None)  # no hand-over: shutdown answers the others
+            for job in jobs:
+                self.responder.answer(job, error=self._shutting_down())
+            self.responder.leave(jobs, None)  # no hand-over: shutdown answers the others
             return
-        self.loop.create_task(self._answer(job))
+        handed: set[int] = set()
+
+        def start(members: list[Job]) -> None:
+            job = group(members)
+            job.drop = self._drop
+            self.loop.create_task(self._answer(job))
+            handed.update(id(member) for member in members)
+
+        try:
+            groups: dict[tuple, list[Job]] = {}
+            for job in jobs:
+                members = groups.setdefault(group_key(job), [])
+                if members and sum(m.rows for m in members) + job.rows > self.group_rows:
+                    start(members)
+                    members = groups[group_key(job)] = []
+                members.append(job)
+            for members in groups.values():
+                start(members)
+        except Exception:  # noqa: BLE001 - e.g. stacking the rows failed: the rest go alone
+            self.log(f"grouping requests failed:\n{traceback.format_exc()}", error=True)
+            for job in jobs:
+                if id(job) not in handed:
+                    self.loop.create_task(self._answer(job))
 
     def _shutting_down(self) -> PipelineError:
         return PipelineError(Code.UNAVAILABLE, f"model '{self.model}' is shutting down")
 
     # -- one request (the event loop's thread) -------------------------------------------------
     async def _answer(self, job: Job) -> None:
+        """Run the pipeline for ``job`` (a request, or a group of them) and answer it. A group
+        whose run fails with an error one item can cause (``Kind.INVALID``: a bad input the run
+        function or a sub-model rejected) is run again member by member, so only the bad
+        member hears of it; any other failure is every member's."""
         task = asyncio.current_task()
         self.tasks.add(task)
         outputs = error = None
+        bug = False
         try:
             outputs = await self.run(job.inputs, functools.partial(self.subrequests.call, job),
                                      self.setup)
@@ -285,11 +322,63 @@ class Orchestrator:
             error = self._shutting_down()
         except Exception:  # noqa: BLE001 - a bug here must not take the request's answer with it
             self.log(f"request '{job.request_id}' failed:\n{traceback.format_exc()}", error=True)
-            error = internal_error(self.model)
+            error, bug = internal_error(self.model), True
         finally:
             self.tasks.discard(task)
-            self.responder.answer(job, outputs, error)
-            self.responder.leave(job, self._run)
+            if job.members is None:
+                self.responder.answer(job, outputs, error)
+                self.responder.leave([job], self._run)
+            else:
+                self._answer_members(job, outputs, error, bug)
+
+    def _drop(self, member: Job, error: PipelineError) -> None:
+        """A member leaves its group early (cancelled): answered now, its slot handed on."""
+        self.responder.answer(member, error=error)
+        self.responder.leave([member], self._run)
+
+    def _answer_members(self, job: Job, outputs: dict | None, error: PipelineError | None,
+                        bug: bool) -> None:
+        """Answer a group's members from their rows of ``outputs``, or with ``error``. When one
+        member may have caused the failure — a bad input (``Kind.INVALID``), or a bug of the run
+        function (it raised, or its outputs do not have the group's rows) — each member runs
+        alone, once, so only the culprit hears of it — unless a sub-request of the group failed
+        for a reason no item causes (``subrequests.STAGE_WIDE``) — while the isolation budget allows (one
+        group in reserve, half a re-run earned per member answered from a successful group: a
+        pipeline failing every group re-runs nothing once the reserve is spent; its members
+        then get the group's error). Never raises."""
+        live = job.live()
+        alone = []
+        try:
+            if error is None:
+                try:
+                    rows = rows_of(outputs, job.members, job.rows, job.outputs)
+                except Exception:  # noqa: BLE001 - the run function's outputs are malformed
+                    self.log(f"the outputs of group '{job.request_id}' could not be split:\n"
+                             f"{traceback.format_exc()}", error=True)
+                    error, bug = internal_error(self.model), True
+                else:
+                    for member, member_outputs in zip(job.members, rows):
+                        self.responder.answer(member, member_outputs)
+                    self.isolation.earn(len(live))
+            if error is not None:
+                if ((bug or error.kind is Kind.INVALID) and STAGE_WIDE not in job.counted
+                        and len(live) > 1 and not self.cancelling
+                        and self.isolation.spend(len(live))):
+                    alone = live
+                else:
+                    for member in live:
+                        self.responder.answer(member, error=error)
+        except Exception:  # noqa: BLE001 - answer never raises; this is the last resort
+            self.log(f"answering group '{job.request_id}' failed:\n{traceback.format_exc()}",
+                     error=True)
+            alone = []
+            for member in live:
+                self.responder.answer(member, error=internal_error(self.model))
+        finally:
+            self.responder.release(job)
+            for member in alone:  # each keeps its slot
+                self.loop.create_task(self._answer(member))
+            self.responder.leave([m for m in live if m.answered], self._run)
 
     # -- metrics and logging ------------------------------------------------------------------------
     def _flush_metrics(self, histograms_due: float = 0.0) -> None:

@@ -82,7 +82,9 @@ def counted(pb, orch, family: str, **labels) -> float:
 
 def with_a_bug(run):
     async def buggy_for_one_image(inputs, call, setup):
-        if (inputs["IMAGE"] == BUGGY).all():
+        # A data-dependent bug: any row with this image makes the whole run raise (a group's
+        # too: the runtime then runs each member alone, and only this one fails).
+        if (inputs["IMAGE"] == BUGGY).reshape(len(inputs["IMAGE"]), -1).all(axis=1).any():
             raise RuntimeError("a bug in the pipeline")
         return await run(inputs, call, setup)
     return buggy_for_one_image

@@ -22,12 +22,15 @@ REPOSITORY = ROOT / "model_repository"
 
 
 def delay_for(request, model: str) -> float:
-    """Seconds a fake sub-model sleeps: the request id may carry ``<model>=<seconds>``."""
-    for part in request.request_id.split(";"):
-        name, _, seconds = part.partition("=")
-        if name == model:
-            return float(seconds)
-    return 0.0
+    """Seconds a fake sub-model sleeps: the request id may carry ``<model>=<seconds>`` (a
+    group's or a coalesced sub-request's ids are joined by commas: the longest applies)."""
+    delay = 0.0
+    for member in request.request_id.split(","):
+        for part in member.split(";"):
+            name, _, seconds = part.partition("=")
+            if name == model:
+                delay = max(delay, float(seconds))
+    return delay
 
 
 def sub_models(fail: set[str] = frozenset()) -> dict:
@@ -88,8 +91,10 @@ def test_each_request_is_answered_once_with_its_outputs(made):
         assert outputs["EMBEDDING"].shape == (batch, S.EMBEDDING_DIM)
     assert settled_metric(pb, "bls_requests_total", code="SUCCESS") == 30
     assert pb.metric("bls_inflight_requests") == 0
-    # Every sub-request carried its client request's id.
-    assert {rid for _, rid in pb.calls} == {f"r{i}" for i in range(30)}
+    # Every sub-request carried the ids of the client requests whose rows it held.
+    assert {i for _, rids in pb.calls for i in rids.split(",")} == {f"r{i}" for i in range(30)}
+    # The requests of one execute call ran as one group: one sub-request per stage per call.
+    assert len(pb.calls) == 3 * 5
 
 
 def test_a_deadline_both_branches_miss_is_answered_on_time_and_counted_once(made):
@@ -222,7 +227,8 @@ def test_requests_beyond_the_slots_wait_in_the_orchestrator_first_come_first_ser
     assert time.monotonic() - started >= 0.2
     wait_answered(requests)
     assert all(not answer.has_error() for r in requests for answer in r.sender.sent)
-    order = [rid.split(";")[0] for model, rid in pb.calls if model == "classifier"]
+    order = [member.split(";")[0] for model, rids in pb.calls if model == "classifier"
+             for member in rids.split(",")]
     assert order == [f"q{i}" for i in range(6)], order
     # Never more than two at once: the third started only when the first had taken its 0.2 s.
     starts = sorted(s.started for s in pb.sent if s.model == "classifier")

@@ -9,7 +9,8 @@ For every schedule:
 * innocent rows exact: a success carries exactly its own rows, and a request that is neither
   poisoned, cancelled, short of time nor in a sick stage succeeds;
 * bounded: no stage gets more sub-requests than the requests that reach it plus the isolation
-  budget (``coalescing.IsolationBudget``: one group in reserve, half a re-send per success);
+  budgets (``coalescing.IsolationBudget``: one group in reserve, half a re-send per success;
+  the runtime's for a failed group's members, and with coalescing on the coalescer's);
   a stage that fails every request with an error no item causes, exactly one per request at
   most.
 
@@ -101,10 +102,10 @@ def run(schedule, coalesce: str) -> None:
     finally:
         pb.finalize(orch)
     assert pb.violations == []
-    check(pb, requests, plans, sent, sick, coalesce)
+    check(pb, requests, plans, sent, sick, coalesce, orch.group_rows)
 
 
-def check(pb, requests, plans, sent, sick, coalesce) -> None:
+def check(pb, requests, plans, sent, sick, coalesce, group_rows) -> None:
     reaching = dict.fromkeys(STAGES, 0)
     for request, plan, at in zip(requests, plans, sent):
         (response,) = request.answers  # exactly once
@@ -127,7 +128,12 @@ def check(pb, requests, plans, sent, sick, coalesce) -> None:
             reaching["embedder"] += 1
     calls = {stage: sum(1 for model, _ in pb.calls if model == stage) for stage in STAGES}
     successes = sum(1 for r in requests if code_of(r.answers[0]) == "SUCCESS")
-    budget = S.CLASSIFIER.max_batch_size + 0.5 * successes if coalesce == "on" else 0
+    # Isolation budgets: the runtime's for a failed group's members (one group of up to
+    # group_rows in reserve, half a re-run per success), and with coalescing on the coalescer's
+    # for a stage's (the same rule, sized by the stage model's max_batch_size).
+    budget = group_rows + 0.5 * successes
+    if coalesce == "on":
+        budget += S.CLASSIFIER.max_batch_size + 0.5 * successes
     for stage in STAGES:
         assert calls[stage] <= reaching[stage] + budget, (stage, calls, reaching)
     if sick and sick[1] == STAGE_ERROR:
