@@ -24,6 +24,17 @@ Design (docs/orchestrator.md has the measurements behind it):
   sender, hands the request to an event loop this object owns (on its own thread) and returns
   ``None``; each request is answered later, exactly once, through its response sender. Plain
   unary HTTP and gRPC clients work unchanged (the model is not decoupled).
+* **Groups.** The requests that get a slot together — the requests of one ``execute`` batch, as
+  Triton's dynamic batcher formed it, as a rule — run as one group when they share a deadline,
+  input shapes and dtypes and requested outputs (``responder.group_key``), up to ``group_rows``
+  rows (this model's ``max_batch_size``, and no more than every stage model takes): one task, one
+  run of the pipeline on their stacked rows, one sub-request per stage; each member is answered
+  from its own rows. Each keeps its semantics: its deadline (a group's members share it), its
+  cancellation (a cancelled member is answered at once; its rows go on with the group's),
+  exactly one answer, its request id (a group's sub-requests carry its members' ids,
+  comma-separated), its metrics. A failure one item may cause — a bad input (``Kind.INVALID``,
+  the run function's ``InvalidInput`` or a sub-model's), a bug of the run function — re-runs each
+  member alone, once, within an isolation budget; a failure of a stage as a whole does not.
 * **Sub-requests.** ``InferenceRequest.exec`` blocks its thread until the sub-model answers, so
   each in-flight sub-request runs on a thread of a dedicated pool (``subrequest_threads``,
   instead of asyncio's default executor of ``min(32, cores + 4)`` threads).
@@ -341,9 +352,10 @@ class Orchestrator:
         """Answer a group's members from their rows of ``outputs``, or with ``error``. When one
         member may have caused the failure — a bad input (``Kind.INVALID``), or a bug of the run
         function (it raised, or its outputs do not have the group's rows) — each member runs
-        alone, once, so only the culprit hears of it — unless a sub-request of the group failed
-        for a reason no item causes (``subrequests.STAGE_WIDE``) — while the isolation budget allows (one
-        group in reserve, half a re-run earned per member answered from a successful group: a
+        alone, once, so only the culprit hears of it — unless a sub-request of the group
+        failed for a reason no item causes (``subrequests.STAGE_WIDE``) — while the isolation
+        budget allows (one group in reserve, half a re-run earned per member answered from a
+        successful group: a
         pipeline failing every group re-runs nothing once the reserve is spent; its members
         then get the group's error). Never raises."""
         live = job.live()

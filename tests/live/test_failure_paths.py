@@ -126,9 +126,10 @@ BUGS = '''
 async def run(inputs, call, setup):
     image = inputs[S.IMAGE.name]
     outputs = await _run(inputs, call, setup)
-    if (image == 7).all():
+    rows = image.reshape(len(image), -1)  # a group's rows may hold other requests' images
+    if (rows == 7).all(axis=1).any():
         del outputs[NORM.name]  # a data-dependent bug: this kind of image gets no NORM
-    if (image == 9).all():
+    if (rows == 9).all(axis=1).any():
         raise ZeroDivisionError("secret detail of the bug")
     return outputs
 '''

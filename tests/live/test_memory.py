@@ -59,7 +59,8 @@ def measure(server, model, warm_up, requests, data, name, dtype, region_cap_mib,
           "MiB after each tenth; shm region MiB at the end:")
     for pid, taken in samples.items():
         print(f"  stub {pid}: " + " ".join(f"{s['private']:.0f}" for s in taken)
-              + f"; region {before[pid]:.0f} after the warm-up, {taken[-1]['region']:.0f} at the end")
+              + f"; region {before[pid]:.0f} after the warm-up, "
+              f"{taken[-1]['region']:.0f} at the end")
     for pid, taken in samples.items():
         private = [s["private"] for s in taken]
         growth = statistics.median(private[-3:]) - statistics.median(private[:3])

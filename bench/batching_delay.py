@@ -1,0 +1,87 @@
+"""How the orchestrator's own dynamic batcher shapes its groups over fast sub-models.
+
+``python -m bench.batching_delay 0 500 2000 2000:8`` serves the ``overhead`` experiment's
+repository (the committed configs over ONNX models of size ``fast``, in a temporary directory)
+once per variant — ``<max_queue_delay_microseconds>[:<preferred_batch_size>]`` set on
+``pipeline``'s dynamic batcher — and prints, for ``pipeline`` and ``pipeline_ensemble``: req/s
+and CPU per request of the stubs and of tritonserver at concurrency 16 (perf_analyzer over gRPC,
+8 s accounted), rows per ``execute`` (Triton's ``inference_count`` / ``execution_count``), and
+the p50 at concurrency 1. The repository given (default ``model_repository/``) is only read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import subprocess
+import tempfile
+import urllib.request
+from pathlib import Path
+
+from bench import overhead, perf, profile
+from tritonlocal import TritonServer, on_free_ports
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def counts(server: TritonServer, model: str) -> tuple[int, int]:
+    """(execution_count, inference_count) of ``model`` so far."""
+    with urllib.request.urlopen(f"http://{server.http_url}/v2/models/{model}/stats",
+                                timeout=10) as reply:
+        stats = json.load(reply)["model_stats"][0]
+    return int(stats["execution_count"]), int(stats["inference_count"])
+
+
+def p50_at_1(server: TritonServer, model: str) -> int | None:
+    """perf_analyzer's p50 (µs) at concurrency 1 over gRPC."""
+    out = subprocess.run([str(perf.PERF_ANALYZER), "-m", model, "-i", "grpc", "-u",
+                          server.grpc_url, "--concurrency-range", "1:1",
+                          "--measurement-interval", "3000", "--percentile=50"],
+                         capture_output=True, text=True, check=False).stdout
+    found = re.search(r"p50 latency: (\d+) usec", out)
+    return int(found.group(1)) if found else None
+
+
+def batching(config: str, delay_us: int, preferred: int | None) -> str:
+    lines = [f"  max_queue_delay_microseconds: {delay_us}"]
+    if preferred:
+        lines.append(f"  preferred_batch_size: {preferred}")
+    return config.replace("dynamic_batching {\n",
+                          "dynamic_batching {\n" + "\n".join(lines) + "\n", 1)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.batching_delay",
+                                     description=__doc__.splitlines()[0])
+    parser.add_argument("variants", nargs="+", help="<delay µs>[:<preferred batch size>]")
+    parser.add_argument("--model-repository", type=Path, default=ROOT / "model_repository")
+    args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="batching-delay-") as tmp:
+        repository = overhead.fast_repository(Path(tmp) / "model_repository",
+                                              args.model_repository)
+        config = repository / "pipeline" / "config.pbtxt"
+        committed = config.read_text()
+        print("| variant | model | req/s (c=16) | stub CPU ms/req | tritonserver CPU ms/req | "
+              "rows per execute | p50 at c=1 (µs) |\n|---|---|---|---|---|---|---|", flush=True)
+        for variant in args.variants:
+            delay, _, preferred = variant.partition(":")
+            config.write_text(batching(committed, int(delay),
+                                       int(preferred) if preferred else None))
+            log = Path(tmp) / f"server-{variant}.log"
+            with TritonServer(on_free_ports(repository, log)) as server:
+                for model in ("pipeline", "pipeline_ensemble"):
+                    before = counts(server, model)
+                    load = profile.drive(server, model, 16, 8.0, warmup=3.0)
+                    after = counts(server, model)
+                    cpu = load.cpu_ms_per_request()
+                    rows = (after[1] - before[1]) / max(1, after[0] - before[0])
+                    print(f"| {variant} | {model} | {load.requests / load.seconds:.0f} | "
+                          f"{cpu.get(f'{model} stubs', 0.0):.2f} | "
+                          f"{cpu.get('tritonserver', 0.0):.2f} | "
+                          f"{rows:.2f} | {p50_at_1(server, model)} |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
