@@ -20,8 +20,6 @@ Two figures per stub, printed (pytest -s) and recorded in docs/orchestrator.md:
   region that had not grown before it (still at its 32 MiB start) must stay within a cap derived
   from this load's peak, or the budget /dev/shm is sized with.
 """
-GROWTH_STEP_MIB = 16  # shm-growth-byte-size (tritonlocal.shm)
-START_MIB = 32        # shm-default-byte-size
 
 from __future__ import annotations
 
@@ -34,6 +32,8 @@ from bls_models import spec as S
 from tests.live.support import drive, image, memory, stub_pids
 
 PRIVATE_BOUND_MIB = 64
+GROWTH_STEP_MIB = 16  # shm-growth-byte-size (tritonlocal.shm)
+START_MIB = 32        # shm-default-byte-size
 SAMPLES = 10  # the measured run is sent in this many parts, private memory sampled after each
 
 
