@@ -86,6 +86,10 @@ class Job:
     # the group early (a cancelled one is answered at once). None for a client request.
     members: list | None = None
     drop: object = None
+    # The first failure of one of its sub-requests that no item causes (a stage failing as a
+    # whole, or the orchestrator's own code in a stage): a failed group is then not re-run
+    # member by member (that would hit the stage again), and its members hear this failure.
+    stage_failure: PipelineError | None = None
 
     def first(self, event: str) -> bool:
         """Whether ``event`` happens to this request for the first time (event loop only)."""

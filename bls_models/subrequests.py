@@ -38,10 +38,6 @@ from bls_models.responder import Job
 from bls_models.stagelock import StageLock
 from bls_models.workers import Workers
 
-# Marks a job (``Job.counted``) one of whose sub-requests failed for a reason no item of it
-# causes: a failed group is then not re-run member by member (it would hit that stage again).
-STAGE_WIDE = "stage-wide failure"
-
 # Sub-requests and responses a thread got back from exec after the model was finalized: kept
 # here, never destroyed by this runtime (destroying them is a pb_utils call); the stub process
 # exits after finalize.
@@ -218,13 +214,14 @@ class SubRequests:
             raise DeadlineExceeded(stage, model, limit_ms, what)
         if outcome.internal:
             self._count_error(stage, Kind.INTERNAL)
-            job.counted.add(STAGE_WIDE)
-            raise internal_error(self.model, stage)
+            failure = internal_error(self.model, stage)
+            job.stage_failure = job.stage_failure or failure
+            raise failure
         if outcome.error is not None:
             failure = sub_request_failed(stage, model, outcome.error)
             self._count_error(stage, failure.kind)
             if failure.kind is not Kind.INVALID:
-                job.counted.add(STAGE_WIDE)
+                job.stage_failure = job.stage_failure or failure
             raise failure
         return outcome.outputs
 

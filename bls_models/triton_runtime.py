@@ -98,7 +98,7 @@ from bls_models.definition import PipelineDef, Setup, registered
 from bls_models.errors import Code, InvalidInput, Kind, PipelineError, internal_error
 from bls_models.metrics import FLUSH_SECONDS, HISTOGRAM_FLUSH_SECONDS, Metrics
 from bls_models.responder import Job, Responder, group, group_key, rows_of
-from bls_models.subrequests import STAGE_WIDE, SubRequests
+from bls_models.subrequests import SubRequests
 
 _NUMPY = {name: np.dtype(dtype) for name, dtype in S.DTYPES.items()}
 SHUTDOWN_DRAIN_SECONDS = 10.0   # finalize waits this long for requests in flight
@@ -352,12 +352,12 @@ class Orchestrator:
         """Answer a group's members from their rows of ``outputs``, or with ``error``. When one
         member may have caused the failure — a bad input (``Kind.INVALID``), or a bug of the run
         function (it raised, or its outputs do not have the group's rows) — each member runs
-        alone, once, so only the culprit hears of it — unless a sub-request of the group
-        failed for a reason no item causes (``subrequests.STAGE_WIDE``) — while the isolation
-        budget allows (one group in reserve, half a re-run earned per member answered from a
-        successful group: a
+        alone, once, so only the culprit hears of it, while the isolation budget allows (one
+        group in reserve, half a re-run earned per member answered from a successful group: a
         pipeline failing every group re-runs nothing once the reserve is spent; its members
-        then get the group's error). Never raises."""
+        then get the group's error). Not when a sub-request of the group failed for a reason
+        no item causes (``Job.stage_failure``): every member then hears that failure. Never
+        raises."""
         live = job.live()
         alone = []
         try:
@@ -373,11 +373,13 @@ class Orchestrator:
                         self.responder.answer(member, member_outputs)
                     self.isolation.earn(len(live))
             if error is not None:
-                if ((bug or error.kind is Kind.INVALID) and STAGE_WIDE not in job.counted
+                if ((bug or error.kind is Kind.INVALID) and job.stage_failure is None
                         and len(live) > 1 and not self.cancelling
                         and self.isolation.spend(len(live))):
                     alone = live
                 else:
+                    if error.kind is Kind.INVALID and job.stage_failure is not None:
+                        error = job.stage_failure  # an innocent member was not the cause
                     for member in live:
                         self.responder.answer(member, error=error)
         except Exception:  # noqa: BLE001 - answer never raises; this is the last resort

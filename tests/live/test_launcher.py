@@ -268,10 +268,13 @@ def test_tracing_on_does_not_crash_the_orchestrators(repository, tmp_path):
 
 def test_shutdown_drains_requests_in_flight(repository, fault_repository, tmp_path):
     """Stopping the server while the orchestrator waits on a sub-model: the request is still
-    answered (finalize drains in-flight work), and the server exits."""
+    answered (finalize drains in-flight work), and the server exits. The stop waits until the
+    orchestrator reports the sub-request out (its in-flight gauge, published every 0.2 s): on
+    a busy host the request may take a while to arrive, and one that arrives after the stop
+    began is refused, as it should be."""
     import threading
 
-    from tests.live.support import timed_infer, image
+    from tests.live.support import eventually, timed_infer, image
 
     opts = options(repository, tmp_path, extra_args=[f"--model-repository={fault_repository}"])
     launcher = TritonServer(opts)
@@ -282,7 +285,9 @@ def test_shutdown_drains_requests_in_flight(repository, fault_repository, tmp_pa
         client, "grpc", "pipeline_faulty", image(1), request_id="fault_classifier:delay:1000")))
     try:
         request.start()
-        time.sleep(0.3)
+        out = eventually(launcher, "bls_inflight_subrequests", lambda value: value >= 1,
+                         timeout=10, model="pipeline_faulty")
+        assert out >= 1, "the request never reached the classifier"
         launcher.stop()
         request.join(30)
     finally:

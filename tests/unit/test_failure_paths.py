@@ -170,7 +170,9 @@ def test_4_an_exception_inside_a_coalesced_group_settles_its_members_at_once(mad
     blocker = Request(image_of(1), request_id="blocker")
     group = [Request(image_of(v), request_id=f"g{v}") for v in (2, 3, 4)]
     pb.execute(orch, [blocker])
-    time.sleep(0.01)  # the blocker's preprocess is out: the group forms behind it
+    give_up = time.monotonic() + 5
+    while not any(rid == "blocker" for _, rid in pb.calls) and time.monotonic() < give_up:
+        time.sleep(0.001)  # until the blocker's preprocess is out: the group forms behind it
     pb.faults.plan("InferenceRequest", "once")
     started = time.monotonic()
     pb.execute(orch, group)
