@@ -5,32 +5,22 @@ repository (the committed configs over ONNX models of size ``fast``, in a tempor
 once per variant — ``<max_queue_delay_microseconds>[:<preferred_batch_size>]`` set on
 ``pipeline``'s dynamic batcher — and prints, for ``pipeline`` and ``pipeline_ensemble``: req/s
 and CPU per request of the stubs and of tritonserver at concurrency 16 (perf_analyzer over gRPC,
-8 s accounted), rows per ``execute`` (Triton's ``inference_count`` / ``execution_count``), and
+8 s accounted), requests per ``execute`` (Triton's successful requests / ``execution_count``), and
 the p50 at concurrency 1. The repository given (default ``model_repository/``) is only read.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import subprocess
 import tempfile
-import urllib.request
 from pathlib import Path
 
 from bench import overhead, perf, profile
 from tritonlocal import TritonServer, on_free_ports
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def counts(server: TritonServer, model: str) -> tuple[int, int]:
-    """(execution_count, inference_count) of ``model`` so far."""
-    with urllib.request.urlopen(f"http://{server.http_url}/v2/models/{model}/stats",
-                                timeout=10) as reply:
-        stats = json.load(reply)["model_stats"][0]
-    return int(stats["execution_count"]), int(stats["inference_count"])
 
 
 def p50_at_1(server: TritonServer, model: str) -> int | None:
@@ -71,11 +61,11 @@ def main(argv: list[str] | None = None) -> int:
             log = Path(tmp) / f"server-{variant}.log"
             with TritonServer(on_free_ports(repository, log)) as server:
                 for model in ("pipeline", "pipeline_ensemble"):
-                    before = counts(server, model)
                     load = profile.drive(server, model, 16, 8.0, warmup=3.0)
-                    after = counts(server, model)
                     cpu = load.cpu_ms_per_request()
-                    rows = (after[1] - before[1]) / max(1, after[0] - before[0])
+                    executions = (load.stats_after[model]["executions"]
+                                  - load.stats_before[model]["executions"])
+                    rows = load.requests / max(1, executions)
                     print(f"| {variant} | {model} | {load.requests / load.seconds:.0f} | "
                           f"{cpu.get(f'{model} stubs', 0.0):.2f} | "
                           f"{cpu.get('tritonserver', 0.0):.2f} | "

@@ -70,6 +70,7 @@ def model_stats(server: TritonServer) -> dict[str, dict]:
     for entry in stats:
         infer = entry["inference_stats"]
         out[entry["name"]] = {"count": int(infer["success"]["count"]),
+                              "executions": int(entry["execution_count"]),
                               **{k: int(infer[k]["ns"]) for k in
                                  ("queue", "compute_input", "compute_infer", "compute_output")}}
     return out

@@ -113,13 +113,11 @@ def group(members: list[Job]) -> Job:
     if len(members) == 1:
         return members[0]
     first = members[0]
-    job = Job(first.deadline, min(m.received for m in members),
-              request_id=",".join(m.request_id for m in members if m.request_id),
-              inputs={name: np.concatenate([m.inputs[name] for m in members])
-                      for name in first.inputs},
-              rows=sum(m.rows for m in members), outputs=first.outputs, members=list(members))
-    job.started = job.admitted = True
-    return job
+    return Job(first.deadline, min(m.received for m in members),
+               request_id=",".join(m.request_id for m in members if m.request_id),
+               inputs={name: np.concatenate([m.inputs[name] for m in members])
+                       for name in first.inputs},
+               rows=sum(m.rows for m in members), outputs=first.outputs, members=list(members))
 
 
 def group_key(job: Job) -> tuple:
@@ -143,6 +141,13 @@ def rows_of(outputs: dict, members: list[Job], rows: int, names: list[str]) -> l
         parts.append({name: value[start:start + member.rows] for name, value in outputs.items()})
         start += member.rows
     return parts
+
+
+def _free_devices(job: Job) -> None:
+    """Release the GPU buffers kept for ``job`` (under the pb_utils lock)."""
+    for device in job.device_tensors:
+        device.release()
+    job.device_tensors.clear()
 
 
 class Responder:
@@ -285,9 +290,7 @@ class Responder:
         finally:
             try:
                 with self.pb_lock:  # backend objects die under the pb_utils lock
-                    for device in job.device_tensors:  # answered: its GPU buffers can go
-                        device.release()
-                    job.device_tensors.clear()
+                    _free_devices(job)  # answered: its GPU buffers can go
                     del response, sender
             finally:
                 job.inputs = {}  # a job answered while waiting keeps no memory until popped
@@ -306,9 +309,7 @@ class Responder:
         job.inputs = {}
         try:
             with self.pb_lock:  # backend objects die under the pb_utils lock
-                for device in job.device_tensors:
-                    device.release()
-                job.device_tensors.clear()
+                _free_devices(job)
         except Exception:  # noqa: BLE001
             self.log(f"releasing group '{job.request_id}' failed:\n{traceback.format_exc()}",
                      error=True)

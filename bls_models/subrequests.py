@@ -229,7 +229,7 @@ class SubRequests:
         """Raise ``Cancelled`` if the client cancelled ``job``; for a group, if every member
         still running was cancelled (the others are answered at once, through ``job.drop``,
         and their rows go on with the group's)."""
-        live = job.live() if job.members is not None else [job]
+        live = job.live()
         gone = [member for member in live if self.cancelled(member)]
         if not gone:
             return

@@ -291,19 +291,21 @@ class Orchestrator:
 
         def start(members: list[Job]) -> None:
             job = group(members)
-            job.drop = self._drop
+            if job.members is not None:
+                job.drop = self._drop
             self.loop.create_task(self._answer(job))
             handed.update(id(member) for member in members)
 
         try:
-            groups: dict[tuple, list[Job]] = {}
+            groups: dict[tuple, tuple[list[Job], int]] = {}  # key -> (members, their rows)
             for job in jobs:
-                members = groups.setdefault(group_key(job), [])
-                if members and sum(m.rows for m in members) + job.rows > self.group_rows:
+                key = group_key(job)
+                members, rows = groups.get(key, ([], 0))
+                if members and rows + job.rows > self.group_rows:
                     start(members)
-                    members = groups[group_key(job)] = []
-                members.append(job)
-            for members in groups.values():
+                    members, rows = [], 0
+                groups[key] = (members + [job], rows + job.rows)
+            for members, _ in groups.values():
                 start(members)
         except Exception:  # noqa: BLE001 - e.g. stacking the rows failed: the rest go alone
             self.log(f"grouping requests failed:\n{traceback.format_exc()}", error=True)
@@ -316,10 +318,8 @@ class Orchestrator:
 
     # -- one request (the event loop's thread) -------------------------------------------------
     async def _answer(self, job: Job) -> None:
-        """Run the pipeline for ``job`` (a request, or a group of them) and answer it. A group
-        whose run fails with an error one item can cause (``Kind.INVALID``: a bad input the run
-        function or a sub-model rejected) is run again member by member, so only the bad
-        member hears of it; any other failure is every member's."""
+        """Run the pipeline for ``job`` (a request, or a group of them) and answer it; a group's
+        members are answered by ``_answer_members``."""
         task = asyncio.current_task()
         self.tasks.add(task)
         outputs = error = None
