@@ -49,7 +49,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
 .DEFAULT_GOAL := help
-.PHONY: help venv backend backend-gpu gpu-host models configs serve test test-unit bench soak clean docker-build docker-run test-container gpu-check
+.PHONY: help venv backend backend-gpu gpu-host models configs serve test test-unit bench bench-pb-calls soak clean docker-build docker-run test-container gpu-check
 BENCH_EXPERIMENTS := ort_options orchestration overhead coalescing fanout designs large_output clients tuning overload
 
 help: ## Show this help
@@ -115,6 +115,9 @@ soak: models backend ## Soak both orchestrators (100 000 requests at concurrency
 
 $(addprefix bench-,$(BENCH_EXPERIMENTS)): bench-%: models backend ## (bench-orchestration, bench-fanout, ...) one experiment
 	$(PY) -m bench --experiment $*
+
+bench-pb-calls: models backend ## What each pb_utils call costs in a stub, send vs return, calls per request -> bench/results/pb_calls.md
+	$(PY) -m bench.pb_calls
 
 docker-build: ## Build the NGC-based server image and its test image (Docker; no GPU needed)
 	docker build --target server -t $(IMAGE) .

@@ -55,16 +55,19 @@ TARGETS = {  # issue 21
 SERVED = (*STAGES, S.POSTPROCESS, S.PIPELINE, S.PIPELINE_ENSEMBLE)
 
 
-def fast_repository(target: Path, repository: Path) -> Path:
+def fast_repository(target: Path, repository: Path, size: str = SIZE) -> Path:
     """What ``pipeline`` and ``pipeline_ensemble`` need of ``repository`` — configs and
     orchestrator code as they are there — in ``target`` (a new directory), with the ONNX models
-    exported at size ``fast``. ``repository`` itself is only read."""
+    exported at ``size`` (``committed``: ``repository``'s own ONNX files, copied).
+    ``repository`` itself is only read."""
+    keep = size == "committed"
     for model in SERVED:
         shutil.copytree(repository / model.name, target / model.name,
-                        ignore=shutil.ignore_patterns("*.onnx", "*.plan", "*.tmp", "__pycache__"))
+                        ignore=shutil.ignore_patterns(*(() if keep else ("*.onnx",)), "*.plan",
+                                                      "*.tmp", "__pycache__"))
     for model in SERVED:
-        if model.backend == "onnxruntime":
-            export.export_model(model, export.onnx_path(target, model), SIZE)
+        if model.backend == "onnxruntime" and not keep:
+            export.export_model(model, export.onnx_path(target, model), size)
     return target
 
 

@@ -89,9 +89,15 @@ COALESCE_IN_FLIGHT = Param(
     "with `coalesce` on: sub-requests per stage out at once, per instance, before arrivals wait "
     "to go together", minimum=1)
 
+RETURN_WITHIN = Param(
+    "return_within_ms", "20",
+    "`execute` waits up to this long for its batch's answers and returns those ready, in one "
+    "message to the server; the others are answered through their response senders when they "
+    "finish. 0: every answer through its sender (docs/orchestrator.md, \"Answers\")", minimum=0)
+
 COMMON: tuple[Param, ...] = (DEFAULT_DEADLINE, MAX_INFLIGHT, MAX_QUEUED, SUBREQUEST_THREADS,
-                             COALESCE, COALESCE_IN_FLIGHT, STAGE_MODEL_REPOSITORIES,
-                             CONCURRENCY_MODE, GPU_TENSORS)
+                             COALESCE, COALESCE_IN_FLIGHT, RETURN_WITHIN,
+                             STAGE_MODEL_REPOSITORIES, CONCURRENCY_MODE, GPU_TENSORS)
 
 
 def stage_parameters(stage: str, default_model: str) -> tuple[Param, Param]:
@@ -124,6 +130,8 @@ class OrchestratorConfig:
     gpu_tensors: bool = False
     coalesce: bool = False
     coalesce_in_flight: int = 2
+    # How long execute waits for its batch's answers, to return them (ms; 0: never).
+    return_within_ms: int = 0
     # The pipeline's own parameters (PipelineDef.parameters), parsed.
     options: dict[str, object] = field(default_factory=dict)
 
@@ -163,6 +171,7 @@ def parse(values: dict[str, str], accepted: tuple[Param, ...], stages: list[str]
         gpu_tensors=parsed.get("gpu_tensors", "off") == "on",
         coalesce=parsed["coalesce"] == "on",
         coalesce_in_flight=parsed["coalesce_in_flight"],
+        return_within_ms=parsed["return_within_ms"],
         options={name: value for name, value in parsed.items()
                  if name not in _COMMON_NAMES | stage_names},
     )

@@ -12,9 +12,12 @@ Part of the orchestrator runtime (``triton_runtime`` wires it). What it holds to
   ``pb_utils.Tensor`` or ``InferenceResponse``: the client gets INTERNAL ("see the server log"),
   the log gets the details. Only if not even that response can be built is the request lost
   (``SEND_FAILED``).
-* **A request without a response sender** (``get_response_sender()`` raised in ``execute``) is
-  answered through ``execute``'s return value, which r24.10 accepts next to senders (``None``
-  for the others: ``python_be.cc``, ``ProcessRequests``).
+* **Answers returned from execute.** A request without a response sender
+  (``get_response_sender()`` raised in ``execute``), and every request in ``batch_gather`` mode,
+  is answered through ``execute``'s return value, which r24.10 accepts next to senders (``None``
+  for the others: ``python_be.cc``, ``ProcessRequests``). The stub sends a batch's returned
+  responses to the server in one message, where each ``send`` is a round trip of its own
+  (bench/results/pb_calls.md).
 * **Admission with deadlines.** At most ``max_inflight`` requests run at once; up to
   ``max_queued`` more wait here for a slot, in arrival order, each answered UNAVAILABLE when
   its deadline passes (``enter``, ``leave``: the event loop's side). Beyond those, ``admit``
@@ -69,9 +72,10 @@ class Job:
     expiry: object = None    # while it waits for a slot: the timer that answers its deadline
     # Set when it is answered (batch_gather mode: execute waits for its batch's answers).
     done: threading.Event | None = None
-    # The response execute returns for it (a request whose sender could not be had).
+    # Answered through execute's return value, not its sender: a request whose sender could
+    # not be had, and every request in batch_gather mode. ``returned`` is the response.
+    by_return: bool = False
     returned: object = None
-    no_sender: bool = False
     # Stage outputs kept on the GPU for this request (subrequests.DeviceTensor); released when
     # it is answered.
     device_tensors: list = field(default_factory=list)
@@ -264,7 +268,7 @@ class Responder:
                 return
             job.answered = True
             sender, job.sender = job.sender, None
-            admitted = job.admitted
+            admitted, by_return = job.admitted, job.by_return
             self.pending.discard(job)
         code = "SEND_FAILED"
         response = None
@@ -273,7 +277,7 @@ class Responder:
             if self.finalized.is_set():
                 code, response = "SEND_FAILED", None
             if response is not None:
-                if job.no_sender:
+                if by_return:
                     job.returned, response = response, None  # execute returns it
                 else:
                     try:
@@ -302,6 +306,17 @@ class Responder:
                 self.metrics.increment("bls_requests_total", code=code)
                 self.metrics.observe("bls_request_latency_seconds",
                                      time.monotonic() - job.received)
+
+    def to_senders(self, jobs: list[Job]) -> list[Job]:
+        """``execute`` stops waiting for ``jobs``: those not answered yet will be answered
+        through their senders; returns those answered (or being answered) through
+        ``execute``'s return value. Decided under the lock ``answer`` claims a job under, so
+        each answer goes one way only."""
+        with self._lock:
+            for job in jobs:
+                if not job.answered:
+                    job.by_return = False
+            return [job for job in jobs if job.by_return]
 
     def release(self, job: Job) -> None:
         """A group is over: its stacked inputs and the GPU buffers its stages kept go. Never

@@ -21,9 +21,13 @@ Design (docs/orchestrator.md has the measurements behind it):
 * **Concurrency.** In Triton 2.51 a non-decoupled model's ``execute`` — async or not — is not
   re-entered until it returns, so a request waiting on a slow sub-model would hold up every
   request behind it. Here ``execute`` only takes each request's inputs, deadline and response
-  sender, hands the request to an event loop this object owns (on its own thread) and returns
-  ``None``; each request is answered later, exactly once, through its response sender. Plain
-  unary HTTP and gRPC clients work unchanged (the model is not decoupled).
+  sender, hands the request to an event loop this object owns (on its own thread), and returns
+  once the answers of its batch are ready or ``return_within_ms`` has passed, whichever is
+  first. The answers ready by then are returned from ``execute`` (r24.10 sends them to the
+  server in one message; each ``send`` is a round trip of its own); every other request is
+  answered later, exactly once, through its response sender, so a slow request holds its
+  instance for ``return_within_ms`` at most. Plain unary HTTP and gRPC clients work unchanged
+  (the model is not decoupled).
 * **Groups.** The requests that get a slot together — the requests of one ``execute`` batch, as
   Triton's dynamic batcher formed it, as a rule — run as one group when they share a deadline,
   input shapes and dtypes and requested outputs (``responder.group_key``), up to ``group_rows``
@@ -105,6 +109,8 @@ SHUTDOWN_DRAIN_SECONDS = 10.0   # finalize waits this long for requests in fligh
 SHUTDOWN_CANCEL_SECONDS = 5.0   # then for their cancellation
 SHUTDOWN_LOOP_SECONDS = 10.0    # then for the event loop to stop (its round trips to return)
 SHUTDOWN_THREADS_SECONDS = 1.0  # then for sub-requests still out (a thread per sub-request)
+GATHER_SLACK_SECONDS = 1.0      # batch_gather: execute answers a job itself this long after its
+                                # deadline (the event loop answers it by then, as a rule)
 
 
 class Orchestrator:
@@ -125,6 +131,9 @@ class Orchestrator:
         self.run = self.definition.run_function()
         self.setup = Setup(options=self.config.options, contracts=self.contracts)
         self.input_names = [t["name"] for t in config["input"]]
+        # A decoupled model's execute must return None (r24.10 pb_stub.cc): every answer is sent.
+        self.decoupled = bool((config.get("model_transaction_policy") or {}).get("decoupled"))
+        self.hold = 0.0 if self.decoupled else self.config.return_within_ms / 1e3
         # The most rows run as one group: this model's batch, and what every stage takes.
         stage_rows = repository.stage_max_batch(repositories, self.config.stages)
         self.group_rows = min([max(1, int(config.get("max_batch_size", 0)))]
@@ -201,23 +210,45 @@ class Orchestrator:
                     ready.append(job)
                 else:
                     self.responder.answer(job, error=job.failure)
-            if self.config.concurrency_mode == "batch_gather":
+            gather = self.config.concurrency_mode == "batch_gather"
+            if gather or self.hold:  # execute waits for its batch's answers and returns them
                 for job in ready:
-                    job.done = threading.Event()
+                    job.done, job.by_return = threading.Event(), not self.decoupled
             self.responder.admit(ready, self._start)
-            if self.config.concurrency_mode == "batch_gather":
-                # The measured alternative: one execute at a time, its requests gathered together.
-                for job in ready:
-                    job.done.wait()
+            if gather or self.hold:
+                self._gather(ready, None if gather else arrived + self.hold)
         except BaseException:  # noqa: BLE001 - execute must not raise (see the module docstring)
             self.log(f"execute failed:\n{traceback.format_exc()}", error=True)
-            jobs += [Job(Deadline.for_request(0, 0, arrived), arrived, no_sender=True)
+            jobs += [Job(Deadline.for_request(0, 0, arrived), arrived, by_return=True)
                      for _ in requests[len(jobs):]]
             for job in jobs:
                 if not job.started:
                     self.responder.answer(job, error=internal_error(self.model))
+            if any(job.by_return and job.started for job in jobs):
+                self._gather([job for job in jobs if job.by_return and job.started], arrived)
         returned = [job.returned for job in jobs]
         return returned if any(response is not None for response in returned) else None
+
+    def _gather(self, jobs: list[Job], until: float | None) -> None:
+        """Wait for the answers of ``jobs`` (started with ``by_return``) until ``until``
+        (``time.monotonic``); those answered by then are in ``job.returned``, for ``execute`` to
+        return, and the others are answered through their senders when they finish
+        (``Responder.to_senders``). ``until`` None (batch_gather): wait for every answer; the
+        event loop gives each by its deadline, and should it not, within
+        ``GATHER_SLACK_SECONDS`` more, the job is answered here. Never raises."""
+        try:
+            for job in jobs:
+                end = until if until is not None else (job.deadline.end + GATHER_SLACK_SECONDS)
+                if not job.done.wait(max(0.0, end - time.monotonic())) and until is None:
+                    self.responder.answer(job, error=PipelineError(
+                        Code.UNAVAILABLE, f"model '{self.model}' did not answer within the "
+                        "request's deadline", kind=Kind.DEADLINE))
+            # An answer claimed before the lock decided is being built: it comes at once.
+            for job in self.responder.to_senders(jobs):
+                if not job.done.wait(SHUTDOWN_LOOP_SECONDS):
+                    self.log(f"the answer of '{job.request_id}' did not come", error=True)
+        except BaseException:  # noqa: BLE001 - execute must not raise
+            self.log(f"waiting for answers failed:\n{traceback.format_exc()}", error=True)
 
     def _receive(self, request, arrived: float) -> Job:
         """A job for ``request``; never raises. What cannot be read makes it a failed job
@@ -229,7 +260,7 @@ class Orchestrator:
             except Exception:  # noqa: BLE001 - answered through execute's return value
                 self.log(f"could not get a response sender:\n{traceback.format_exc()}",
                          error=True)
-                job.no_sender = True
+                job.by_return = True
                 job.failure = internal_error(self.model)
             try:
                 job.request_id = request.request_id()

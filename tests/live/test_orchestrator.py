@@ -86,6 +86,36 @@ def test_a_slow_request_does_not_hold_up_fifty_others(protocol, server):
                                 f"slowest {latencies[-1]:.3f} s)"
 
 
+def test_answers_returned_from_execute_and_sent_later_mix_in_one_batch(server, grpc_client):
+    """Requests arriving together, some held 400 ms in the classifier (a client timeout of
+    their own puts them in a group of their own), the rest not: ``execute`` returns the answers
+    ready within ``return_within_ms`` and leaves ``None`` for the slow ones, answered later
+    through their senders (r24.10 accepts both in one batch: python_be.cc). Every request gets
+    its own correct answer."""
+    expected = {seed: timed_infer(grpc_client, "grpc", "pipeline_faulty", image(seed)).result
+                for seed in range(8)}
+    clients = [grpcclient.InferenceServerClient(server.grpc_url) for _ in range(8)]
+    pool = concurrent.futures.ThreadPoolExecutor(8)
+    try:
+        futures = {seed: pool.submit(
+            timed_infer, clients[seed], "grpc", "pipeline_faulty", image(seed),
+            request_id=(f"slow-{seed};fault_classifier:delay:400" if seed % 4 == 0
+                        else f"fast-{seed}"),
+            timeout_us=20_000_000 if seed % 4 == 0 else None) for seed in range(8)}
+        outcomes = {seed: future.result(timeout=60) for seed, future in futures.items()}
+    finally:
+        pool.shutdown()
+        for client in clients:
+            client.close()
+    for seed, outcome in outcomes.items():
+        assert outcome.error is None, f"{seed}: {outcome.error}"
+        for name in ("CLASS_IDS", "EMBEDDING"):
+            np.testing.assert_allclose(outcome.result.as_numpy(name),
+                                       expected[seed].as_numpy(name), rtol=1e-4, atol=1e-5)
+    assert all(outcomes[seed].elapsed >= 0.4 for seed in (0, 4))
+    assert timed_infer(grpc_client, "grpc", "pipeline", image(9)).error is None
+
+
 # -- deadlines ------------------------------------------------------------------------------------
 @pytest.mark.parametrize("protocol", ["http", "grpc"])
 @pytest.mark.parametrize("model, stage, data, name, dtype", [

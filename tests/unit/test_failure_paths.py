@@ -354,9 +354,10 @@ def test_8_an_orchestrators_state_does_not_grow_with_traffic(made):
 # -- 10. no lock across a round trip; metrics survive their own failure ----------------------------
 def test_10_no_lock_is_held_across_a_round_trip_to_the_server(made):
     """``send``, ``is_cancelled`` and publishing metrics are IPC round trips in r24.10: the
-    runtime's pb_utils lock is not held across them."""
+    runtime's pb_utils lock is not held across them. (Every answer is sent here, none returned
+    from execute.)"""
     pb = FakePbUtils(sub_models())
-    made.append(orch := orchestrator(pb))
+    made.append(orch := orchestrator(pb, return_within_ms="0"))
     pb.forbidden_locks.append(orch.lock)
     requests = [Request(image(), request_id=f"r{i}") for i in range(6)]
     pb.execute(orch, requests)

@@ -1,6 +1,8 @@
 """Fault injection: every pb_utils call the runtime makes raises — once, and always — during a
-burst of concurrent requests, with coalescing on and off (the fake behaves like python_backend
-r24.10 where it matters: tests/unit/fake_pb_utils.py).
+burst of concurrent requests, in two setups: coalescing on with the committed
+``return_within_ms`` (most answers returned from ``execute``, the slow one sent), and coalescing
+off with ``return_within_ms`` 0 (every answer sent through its response sender). The fake
+behaves like python_backend r24.10 where it matters: tests/unit/fake_pb_utils.py.
 
 Each case asserts:
 * ``execute`` never raised, no sender took two responses, nothing was asked of a closed sender,
@@ -108,12 +110,17 @@ def lost_ok(call: str, how: str, expected: str) -> bool:
     return how == "always" and call == "TritonError" and expected != "SUCCESS"
 
 
+SETUPS = {"on": {"coalesce": "on"},  # return_within_ms as committed
+          "off": {"coalesce": "off", "return_within_ms": "0"}}
+
+
 @pytest.mark.parametrize("coalesce", ["on", "off"])
 @pytest.mark.parametrize("how", ["once", "always"])
 @pytest.mark.parametrize("call", CALLS)
 def test_a_failing_pb_utils_call_leaves_every_request_answered_once_on_time(call, how, coalesce):
     pb = FakePbUtils(DirectedRowModels().models())
-    orch = orchestrator(pb, coalesce=coalesce, default_deadline_ms=str(int(DEFAULT_DEADLINE * 1e3)))
+    orch = orchestrator(pb, **SETUPS[coalesce],
+                        default_deadline_ms=str(int(DEFAULT_DEADLINE * 1e3)))
     try:
         check_burst(pb, orch, call, how)
     finally:
@@ -127,8 +134,10 @@ def check_burst(pb, orch, call: str, how: str) -> None:
     orch.run = with_a_bug(orch.run)
     pb.forbidden_locks.append(orch.lock)
     burst = Burst()
-    # Mid-burst for "once"; the first call for the rare ones (error answers, log lines).
-    pb.faults.plan(call, how, after=0 if call in ("TritonError", "Logger") else 5)
+    # Mid-burst for "once"; the first call for the rare ones (error answers, log lines, and
+    # sends where answers are returned from execute: only the slow request is sent).
+    rare = call in ("TritonError", "Logger") or (call == "send" and orch.config.return_within_ms)
+    pb.faults.plan(call, how, after=0 if rare else 5)
     sent = burst.send(pb, orch)
     give_up = time.monotonic() + DEFAULT_DEADLINE + 2
     while (counted(pb, orch, "bls_requests_total") < len(burst.requests)

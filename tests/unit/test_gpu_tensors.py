@@ -148,7 +148,7 @@ def test_kept_outputs_stay_on_the_gpu_that_produced_them_not_on_gpu_0(made, repo
     request = Request(image(2), request_id="r")
     pb.execute(orchestrator, [request])
     wait_answered([request])
-    (response,) = request.sender.sent
+    (response,) = request.answers
     assert not response.has_error(), response.error().message()
     memory = dict(pb.output_memory)
     assert memory["preprocess"] is None  # Triton's default: where the producing instance put it

@@ -63,7 +63,7 @@ def test_a_row_the_run_function_rejects_fails_alone(rows):
     assert "image 7 is not allowed" in requests[1].answers[0].error().message()
     assert exact(requests[0].answers[0], 20) and exact(requests[2].answers[0], 22)
     assert sorted(runs) == [1, 1, 1, 3]  # the group, then each member alone
-    assert all(len(r.sender.sent) == 1 for r in requests)
+    assert all(len(r.answers) == 1 for r in requests)
 
 
 def test_a_poisoned_row_a_sub_model_rejects_fails_alone(rows):

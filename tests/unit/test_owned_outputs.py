@@ -58,7 +58,7 @@ def _answered_embedding(made, models, request_id: str) -> np.ndarray:
     request = Request(image(1), request_id=request_id)
     pb.execute(orch, [request])
     wait_answered([request])
-    (response,) = request.sender.sent
+    (response,) = request.answers
     return next(t for t in response.output_tensors if t.name() == S.EMBEDDING.name).as_numpy()
 
 

@@ -79,11 +79,11 @@ def test_each_request_is_answered_once_with_its_outputs(made):
     made.append(orch := orchestrator(pb))
     requests = [Request(image(1 + i % 3), request_id=f"r{i}") for i in range(30)]
     for start in range(0, 30, 7):  # several execute calls, as Triton batches them
-        assert pb.execute(orch, requests[start:start + 7]) is None
+        pb.execute(orch, requests[start:start + 7])
     wait_answered(requests)
     time.sleep(0.1)  # a second answer would arrive by now
     for request in requests:
-        (response,) = request.sender.sent
+        (response,) = request.answers
         assert not response.has_error()
         outputs = {t.name(): t.as_numpy() for t in response.output_tensors}
         batch = request.input("IMAGE").shape[0]
@@ -105,7 +105,7 @@ def test_a_deadline_both_branches_miss_is_answered_on_time_and_counted_once(made
     pb.execute(orch, [request])
     wait_answered([request])
     elapsed = time.monotonic() - started
-    (response,) = request.sender.sent
+    (response,) = request.answers
     assert response.has_error() and "deadline exceeded" in response.error().message()
     assert response.error().code() == pb.TritonError.UNAVAILABLE
     assert 0.2 <= elapsed < 0.2 + 0.25  # on time, with room for a busy host
@@ -115,7 +115,7 @@ def test_a_deadline_both_branches_miss_is_answered_on_time_and_counted_once(made
     # The abandoned sub-requests finish on their own (their results dropped) and are counted.
     time.sleep(0.6)
     assert settled_metric(pb, "bls_abandoned_subrequests_completed_total") == 2
-    assert len(request.sender.sent) == 1
+    assert len(request.answers) == 1
 
 
 def test_a_cancelled_request_stops_before_its_next_stages_and_is_counted_once(made):
@@ -126,7 +126,7 @@ def test_a_cancelled_request_stops_before_its_next_stages_and_is_counted_once(ma
     time.sleep(0.1)
     request.sender.cancelled.set()  # the client goes away while preprocess runs
     wait_answered([request])
-    (response,) = request.sender.sent
+    (response,) = request.answers
     assert response.error().code() == pb.TritonError.CANCELLED
     assert [model for model, _ in pb.calls] == ["preprocess"], "a branch was still called"
     assert settled_metric(pb, "bls_cancelled_requests_total") == 1  # not once per branch
@@ -143,7 +143,7 @@ def test_cancellation_is_asked_once_per_step_not_per_stage(made):
         pb.execute(orch, [request])
         wait_answered([request])
     for request in requests:
-        (response,) = request.sender.sent
+        (response,) = request.answers
         assert not response.has_error(), response.error().message()
         assert request.sender.asked == 1, "asked before preprocess, or once per branch"
 
@@ -157,7 +157,7 @@ def test_a_request_that_waited_for_a_slot_is_checked_before_its_first_stage(made
     pb.execute(orch, [first])
     pb.execute(orch, [late])  # waits for the slot
     wait_answered([first, late])
-    (response,) = late.sender.sent
+    (response,) = late.answers
     assert response.error().code() == pb.TritonError.CANCELLED
     assert [rid for _, rid in pb.calls].count("") == 0, "the cancelled request reached a stage"
     assert settled_metric(pb, "bls_cancelled_requests_total", stage="preprocess") == 1
@@ -169,7 +169,7 @@ def test_a_failing_sub_model_fails_its_request_with_internal_naming_the_stage(ma
     request = Request(image())
     pb.execute(orch, [request])
     wait_answered([request])
-    (response,) = request.sender.sent
+    (response,) = request.answers
     assert response.error().code() == pb.TritonError.INTERNAL
     assert "stage 'embedder'" in response.error().message()
     assert settled_metric(pb, "bls_subrequest_errors_total", stage="embedder", kind="failed") == 1
@@ -195,8 +195,8 @@ def test_shutdown_drains_what_is_in_flight_and_answers_every_request_once():
     quick = [Request(image(), request_id=f"q{i}") for i in range(5)]
     pb.execute(orch, quick)
     orch.close()  # waits for what is in flight (bounded), then stops
-    assert all(len(r.sender.sent) == 1 for r in quick)
-    assert all(not r.sender.sent[0].has_error() for r in quick)
+    assert all(len(r.answers) == 1 for r in quick)
+    assert all(not r.answers[0].has_error() for r in quick)
 
 
 def test_backpressure_bounds_requests_in_flight(made):
@@ -210,7 +210,7 @@ def test_backpressure_bounds_requests_in_flight(made):
     pb.execute(orch, requests[2:])  # waits for a slot: execute returns only once two were answered
     assert time.monotonic() - started >= 0.2
     wait_answered(requests)
-    assert all(len(r.sender.sent) == 1 for r in requests)
+    assert all(len(r.answers) == 1 for r in requests)
 
 
 def test_requests_beyond_the_slots_wait_in_the_orchestrator_first_come_first_served(made):
@@ -226,7 +226,7 @@ def test_requests_beyond_the_slots_wait_in_the_orchestrator_first_come_first_ser
     pb.execute(orch, requests[4:])  # no room: waits until two are answered
     assert time.monotonic() - started >= 0.2
     wait_answered(requests)
-    assert all(not answer.has_error() for r in requests for answer in r.sender.sent)
+    assert all(not answer.has_error() for r in requests for answer in r.answers)
     order = [member.split(";")[0] for model, rids in pb.calls if model == "classifier"
              for member in rids.split(",")]
     assert order == [f"q{i}" for i in range(6)], order
@@ -247,7 +247,7 @@ def test_shutdown_answers_what_outlives_the_drain_once_with_unavailable(monkeypa
     started = time.monotonic()
     pb.finalize(orch)
     assert time.monotonic() - started < 1.0, "close waited for the sub-model"
-    (response,) = slow.sender.sent
+    (response,) = slow.answers
     assert response.error().code() == pb.TritonError.UNAVAILABLE
     assert "shutting down" in response.error().message()
     assert pb.metric("bls_requests_total", code="UNAVAILABLE") == 1
@@ -263,9 +263,9 @@ def test_a_request_that_cannot_be_read_fails_alone_and_frees_its_slot(made):
     good = Request(image())
     pb.execute(orch, [unreadable, good])  # would wait forever if the refused request kept its slot
     wait_answered([unreadable, good])
-    (refused,) = unreadable.sender.sent
+    (refused,) = unreadable.answers
     assert refused.error().code() == pb.TritonError.INVALID_ARG
-    assert len(good.sender.sent) == 1 and not good.sender.sent[0].has_error()
+    assert len(good.answers) == 1 and not good.answers[0].has_error()
 
 
 def test_a_sub_request_whose_deadline_passed_before_a_thread_took_it_is_never_sent(made):
@@ -277,10 +277,10 @@ def test_a_sub_request_whose_deadline_passed_before_a_thread_took_it_is_never_se
     second = Request(image(), request_id="second", timeout_us=200_000)
     pb.execute(orch, [first, second])
     wait_answered([first, second])
-    assert second.sender.sent[0].error().code() == pb.TritonError.UNAVAILABLE
-    assert not first.sender.sent[0].has_error()
+    assert second.answers[0].error().code() == pb.TritonError.UNAVAILABLE
+    assert not first.answers[0].has_error()
     assert [rid for _, rid in pb.calls].count("second") == 0
-    assert len(first.sender.sent) == len(second.sender.sent) == 1
+    assert len(first.answers) == len(second.answers) == 1
 
 
 def test_the_responder_answers_a_job_once_whoever_answers_it(made):
@@ -307,8 +307,8 @@ def test_the_responder_answers_a_job_once_whoever_answers_it(made):
     responder.answer(job, {"EMBEDDING": np.ones((1, 256))}, None)
     responder.answer(job, None, PipelineError(Code.UNAVAILABLE, "shutting down"))
     metrics.flush()
-    assert len(request.sender.sent) == 1 and not request.sender.sent[0].has_error()
-    assert request.sender.attempts == 1 and pb.violations == []
+    assert len(request.answers) == 1 and not request.answers[0].has_error()
+    assert request.answer_attempts == 1 and pb.violations == []
     assert responder.pending == set()
     assert pb.metric("bls_requests_total", code="SUCCESS") == 1
     assert pb.metric("bls_requests_total", code="UNAVAILABLE") == 0
