@@ -44,6 +44,7 @@ import traceback
 from collections import deque
 from dataclasses import dataclass
 from typing import AsyncContextManager, Awaitable, Callable
+
 # A sub-request out this many times the stage's median duration is a straggler: its slot goes
 # to the next group. Before any duration is known, FIRST_STRAGGLER_SECONDS.
 STRAGGLER_FACTOR = 3.0
@@ -83,9 +84,11 @@ class Outcome:
 EXPIRED = Outcome(expired=True)
 INTERNAL = Outcome(internal=True)
 
-# send(parts, output_names) -> (one Outcome per part, timed_out): ``timed_out`` when the wait
-# for the sub-request gave up at the latest part's limit (every part is then expired).
-Send = Callable[[list[Part], list[str]], Awaitable[tuple[list[Outcome], bool]]]
+# send(parts, output_names, isolating=False) -> (one Outcome per part, timed_out): ``timed_out``
+# when the wait for the sub-request gave up at the latest part's limit (every part is then
+# expired). ``isolating``: an isolation's re-send, made with the stage to itself (and, across
+# instances, its ``exclusive`` lock held).
+Send = Callable[..., Awaitable[tuple[list[Outcome], bool]]]
 
 
 @dataclass(eq=False)
@@ -135,10 +138,12 @@ class Coalescer:
         self.out = 0        # sub-requests out, stragglers that gave their slot back included
         self.durations: deque[float] = deque(maxlen=DURATIONS)
         # Isolation has the stage to itself: re-sends wait until nothing else of this stage is
-        # out, and nothing new goes out until they are done (see _isolate_alone).
-        self.exclusive = asyncio.Lock()
+        # out and no other isolation runs, and nothing new goes out until they are done (see
+        # _isolate_alone). One mechanism: counters the event loop alone changes, and an event
+        # set whenever one of them falls.
         self.isolations = 0          # failed sub-requests waiting for, or in, isolation
-        self.quiet = asyncio.Event()  # set whenever a sub-request of this stage comes back
+        self.isolating = False       # one of them has the stage
+        self.quiet = asyncio.Event()
         self.pump_scheduled = False
         self.tasks: set[asyncio.Task] = set()
 
@@ -256,23 +261,28 @@ class Coalescer:
             self.in_flight -= 1
             holding[0] = False
         self.quiet.set()
+        took = False
         try:
-            async with self.exclusive:
-                while self.in_flight > 0 or self.out > 0:
-                    self.quiet.clear()
-                    await self.quiet.wait()
-                self.in_flight += 1
-                holding[0] = True
-                if self.exclusive_across is None:
+            # No await between the check and taking the stage: the event loop runs nothing else.
+            while self.in_flight > 0 or self.out > 0 or self.isolating:
+                self.quiet.clear()
+                await self.quiet.wait()
+            self.isolating = took = True
+            self.in_flight += 1
+            holding[0] = True
+            if self.exclusive_across is None:
+                await self._isolate(members, output_names)
+                return
+            async with self.exclusive_across(max(m.part.expires for m in members)) as held:
+                if held:
                     await self._isolate(members, output_names)
-                    return
-                async with self.exclusive_across(max(m.part.expires for m in members)) as held:
-                    if held:
-                        await self._isolate(members, output_names)
-                    else:  # the other instances' sub-requests outlasted every member's limit
-                        _settle_all(members, EXPIRED)
+                else:  # the other instances' sub-requests outlasted every member's limit
+                    _settle_all(members, EXPIRED)
         finally:
             self.isolations -= 1
+            if took:
+                self.isolating = False
+                self.quiet.set()
 
     async def _isolate(self, members: list[Member], output_names: list[str]) -> None:
         """Re-send the members of a failed sub-request one by one, each within its own limit:
@@ -285,7 +295,7 @@ class Coalescer:
             if member.part.expires <= time.monotonic():
                 _settle(member, EXPIRED)
                 continue
-            outcomes, _ = await self.send([member.part], output_names)
+            outcomes, _ = await self.send([member.part], output_names, isolating=True)
             _settle(member, outcomes[0])
 
     async def close(self) -> None:

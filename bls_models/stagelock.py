@@ -25,7 +25,6 @@ import fcntl
 import hashlib
 import os
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -47,18 +46,13 @@ class StageLock:
         digest = hashlib.sha1(f"{key}\0{stage}".encode()).hexdigest()[:16]
         base = (directory or lock_directory()) / f"bls-isolation-{digest}"
         self.gate, self.stage = f"{base}.gate", f"{base}.stage"
-        # While this process holds it exclusively, its own (isolation) sends pass: the event
-        # loop already keeps everything else of the stage in this process back.
-        self.held_here = threading.Event()
 
     # -- readers: a sub-request thread, around exec() ------------------------------------------
     @contextlib.contextmanager
     def shared(self, expires: float):
-        """Yields True once the lock is held shared (or this process holds it exclusive), False
-        if ``expires`` (time.monotonic) passed first: then do not send."""
-        if self.held_here.is_set():
-            yield True
-            return
+        """Yields True once the lock is held shared, False if ``expires`` (time.monotonic)
+        passed first: then do not send. An isolation's own re-sends do not come here: their
+        process holds the lock exclusive (``SubRequests.send(isolating=True)``)."""
         gate = _take(self.gate, fcntl.LOCK_SH, expires, time.sleep)
         if gate is None:
             yield False
@@ -87,11 +81,9 @@ class StageLock:
             if stage is None:
                 yield False
                 return
-            self.held_here.set()
             try:
                 yield True
             finally:
-                self.held_here.clear()
                 os.close(stage)
         finally:
             os.close(gate)

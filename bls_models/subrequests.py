@@ -277,19 +277,20 @@ class SubRequests:
             return {}
         return {"preferred_memory": self.pb.PreferredMemory(self.pb.TRITONSERVER_MEMORY_CPU, 0)}
 
-    async def send(self, stage: str, parts: list[Part], output_names: list[str]
-                   ) -> tuple[list[Outcome], bool]:
+    async def send(self, stage: str, parts: list[Part], output_names: list[str],
+                   isolating: bool = False) -> tuple[list[Outcome], bool]:
         """One sub-request to ``stage``'s model for ``parts``, waited for until the latest
         part's limit: (one outcome per part, False), or (every part expired, True) when that
         limit passed first (the sub-request is then abandoned, or never sent if no thread had
-        taken it yet)."""
+        taken it yet). It holds the stage's cross-instance lock shared while out, unless it is
+        an isolation's re-send (``isolating``: this process holds the lock exclusive)."""
         # Pass-through outputs stay on the GPU with gpu_tensors on; everything else comes back in
         # CPU memory, as numpy arrays the stub owns (``owns_memory``), or reduced from them.
         on_device = self.config.gpu_tensors and bool(self.pass_through.get(stage))
         keep = set(self.pass_through.get(stage, ())) if on_device else set()
         started = time.monotonic()
         future = self.workers.submit(self._exec, stage, parts, output_names, keep,
-                                     self.stage_locks.get(stage))
+                                     None if isolating else self.stage_locks.get(stage))
         waiter = asyncio.wrap_future(future, loop=self.loop)
         try:
             done, _ = await asyncio.wait(

@@ -33,7 +33,7 @@ class FakeStage:
     def __init__(self, delay: float = 0.05) -> None:
         self.delay, self.batches = delay, []
 
-    async def send(self, parts, output_names):
+    async def send(self, parts, output_names, isolating=False):
         now = time.monotonic()
         live = [p for p in parts if p.expires > now]
         if not live:
@@ -175,7 +175,7 @@ def test_a_lone_member_that_failed_is_resent_once_and_errors_about_the_stage_are
     memory, anything unclassified) is not re-sent: re-sending would only add load."""
     calls = []
 
-    async def flaky(parts, output_names):
+    async def flaky(parts, output_names, isolating=False):
         (only,) = parts
         calls.append(only.request_id)
         if only.request_id == "unlucky" and calls.count("unlucky") == 1:
@@ -201,12 +201,12 @@ def test_isolation_resends_one_at_a_time_so_the_sub_models_batcher_cannot_regrou
     in_flight, peak = 0, 0
     stage = FakeStage(delay=0.01)
 
-    async def counting(*args):
+    async def counting(*args, **kwargs):
         nonlocal in_flight, peak
         in_flight += 1
         peak = max(peak, in_flight)
         try:
-            return await stage.send(*args)
+            return await stage.send(*args, **kwargs)
         finally:
             in_flight -= 1
 
@@ -228,7 +228,7 @@ class BatchingStage:
     def __init__(self, window: float = 0.02) -> None:
         self.window, self.waiting, self.batches = window, [], []
 
-    async def send(self, parts, output_names):
+    async def send(self, parts, output_names, isolating=False):
         x = np.concatenate([p.inputs["X"] for p in parts])
         future = asyncio.get_running_loop().create_future()
         self.waiting.append((x, future))
@@ -314,7 +314,7 @@ def test_a_straggler_gives_its_slot_back_so_members_behind_it_are_not_held_up():
     3x the stage's median duration, the members queued behind it go as the next group."""
 
     class SlowForOne(FakeStage):
-        async def send(self, parts, output_names):
+        async def send(self, parts, output_names, isolating=False):
             if parts[0].request_id == "slow":
                 self.batches.append((1, "slow"))
                 await asyncio.sleep(1.0)
@@ -347,7 +347,7 @@ def test_a_group_that_raises_settles_every_member_at_once(where):
     stage's internal failure at once, not its deadline; the cause is logged; the slot is back."""
     logged = []
 
-    async def broken_send(parts, output_names):
+    async def broken_send(parts, output_names, isolating=False):
         raise RuntimeError("cannot schedule new futures after shutdown")
 
     def broken_on_group(size):
@@ -401,7 +401,7 @@ def test_a_stage_failing_every_request_is_not_sent_more_than_about_once_per_memb
                                    (FakeStage.ERROR, 16)):
         sent = []
 
-        async def failing(parts, output_names):
+        async def failing(parts, output_names, isolating=False):
             sent.append(len(parts))
             await asyncio.sleep(0.002)
             return [Outcome(error=error)] * len(parts), False
