@@ -93,7 +93,9 @@ RETURN_WITHIN = Param(
     "return_within_ms", "20",
     "`execute` waits up to this long for its batch's answers and returns those ready, in one "
     "message to the server; the others are answered through their response senders when they "
-    "finish. 0: every answer through its sender (docs/orchestrator.md, \"Answers\")", minimum=0)
+    "finish. 0: every answer through its sender "
+    "([orchestrator.md](orchestrator.md#answers-returned-from-execute-when-ready-return_within_ms))",
+    minimum=0)
 
 COMMON: tuple[Param, ...] = (DEFAULT_DEADLINE, MAX_INFLIGHT, MAX_QUEUED, SUBREQUEST_THREADS,
                              COALESCE, COALESCE_IN_FLIGHT, RETURN_WITHIN,
