@@ -6,6 +6,9 @@ PYTHON           ?= python3
 VENV             ?= .venv
 MODEL_REPOSITORY ?= model_repository
 MODEL_SIZE       ?= small
+# A MODEL_REPOSITORY other than the project's is served as it is; 1: export the project's models
+# whose files it lacks (never overwriting a file).
+EXPORT_INTO_GIVEN ?=
 HTTP_PORT        ?= 8000
 GRPC_PORT        ?= 8001
 METRICS_PORT     ?= 8002
@@ -82,8 +85,9 @@ backend-gpu: $(STAMP) ## The same backend for GPUs (TRITON_ENABLE_GPU, onnxrunti
 gpu-host:
 	@$(PYTHON) -m tritonlocal.gpu require $(SERVE_PROFILE)
 
-models: $(STAMP) ## Export the ONNX models into $(MODEL_REPOSITORY) (skipped when up to date)
-	$(PY) -m modelgen.export --repository $(MODEL_REPOSITORY) --size $(MODEL_SIZE)
+models: $(STAMP) ## Export the ONNX models into the project's model_repository (skipped when up to date); another MODEL_REPOSITORY is only checked (EXPORT_INTO_GIVEN=1: export its missing files)
+	$(PY) -m modelgen.export --repository $(MODEL_REPOSITORY) --size $(MODEL_SIZE) \
+	    $(if $(EXPORT_INTO_GIVEN),--into-given)
 
 configs: $(STAMP) ## Regenerate every config.pbtxt, the orchestrators' model.py and the docs' parameter table from bls_models/spec.py
 	$(PY) -m modelgen.configs --repository $(MODEL_REPOSITORY)

@@ -5,8 +5,18 @@ the tensor names of the spec and a dynamic batch axis. Exports are deterministic
 legacy TorchScript exporter), so two runs produce identical files.
 
 A stamp file records a fingerprint of everything an export depends on (this package's sources,
-the spec, the model size, the torch version); when it matches and every file exists the export
-is skipped, so ``make serve`` and ``make test`` can call this unconditionally.
+the spec, the model size, the torch version) and the digest of each file written; when the
+fingerprint matches and every file exists the export is skipped, so ``make serve`` and
+``make test`` can call this unconditionally.
+
+**Only the project's own repository is written to.** ``model_repository/`` of this project gets
+the exported models; a model file there that the project did not write (its digest is not the
+one the stamp recorded) is never overwritten: the export stops with one line naming it. Any
+other repository (``make serve MODEL_REPOSITORY=...``) is served as it is: nothing is written
+into it, and if a model it configures for the onnxruntime backend lacks its file, the export
+stops, before any server starts, with one line naming the file. ``--into-given`` (``make
+models EXPORT_INTO_GIVEN=1``) is the explicit opt-in to export the missing files of the
+project's models there — only missing ones, never an existing file.
 """
 
 from __future__ import annotations
@@ -24,6 +34,7 @@ from bls_models import spec as S
 
 OPSET = 17
 STAMP = ".export-stamp.json"
+PROJECT_REPOSITORY = Path(__file__).resolve().parents[1] / "model_repository"
 _SOURCES = [Path(__file__).with_name("nets.py"), Path(__file__), Path(S.__file__)]
 
 
@@ -88,22 +99,89 @@ def _pin_shapes(path: Path, model: S.ModelSpec) -> None:
     onnx.save(proto, str(path))
 
 
+class ForeignModelFile(Exception):
+    """A model file the project did not write is where an export would write: left alone."""
+
+
+def _digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def is_project_repository(repository: Path) -> bool:
+    return repository.resolve() == PROJECT_REPOSITORY.resolve()
+
+
 def export_all(repository: Path, size: str, force: bool = False) -> list[str]:
-    """Export every ONNX model unless the stamp says they are current; return what was exported."""
+    """Export every ONNX model unless the stamp says they are current; return what was exported.
+    Raises ForeignModelFile, before writing anything, when a file to be replaced is not one the
+    project wrote."""
     stamp_path = repository / STAMP
     wanted = fingerprint(size)
     paths = {m.name: onnx_path(repository, m) for m in S.ONNX_MODELS}
-    if not force and stamp_path.exists() and all(p.exists() for p in paths.values()):
-        if json.loads(stamp_path.read_text()).get("fingerprint") == wanted:
+    stamp = json.loads(stamp_path.read_text()) if stamp_path.exists() else None
+    if not force and stamp is not None and all(p.exists() for p in paths.values()):
+        if stamp.get("fingerprint") == wanted:
             return []
+    for name, path in paths.items():
+        if path.exists() and not _written_here(path, name, stamp):
+            raise ForeignModelFile(
+                f"{path} was not written by this project's export: left as it is (move it away "
+                "to have the project's model exported there)")
+    files = {}
     for model in S.ONNX_MODELS:
         started = time.monotonic()
         export_model(model, paths[model.name], size)
-        digest = hashlib.sha256(paths[model.name].read_bytes()).hexdigest()[:12]
-        print(f"exported {paths[model.name]} ({size}, sha256 {digest}, "
+        files[model.name] = _digest(paths[model.name])
+        print(f"exported {paths[model.name]} ({size}, sha256 {files[model.name][:12]}, "
               f"{time.monotonic() - started:.1f} s)", flush=True)
-    stamp_path.write_text(json.dumps({"fingerprint": wanted, "size": size}, indent=2) + "\n")
+    stamp_path.write_text(json.dumps({"fingerprint": wanted, "size": size, "files": files},
+                                     indent=2) + "\n")
     return [m.name for m in S.ONNX_MODELS]
+
+
+def _written_here(path: Path, name: str, stamp: dict | None) -> bool:
+    """Whether ``path`` is the file the project's last export wrote. A stamp from before digests
+    were recorded vouches for the files beside it."""
+    if stamp is None:
+        return False
+    if "files" not in stamp:
+        return True
+    return stamp["files"].get(name) == _digest(path)
+
+
+def missing_model_files(repository: Path) -> list[Path]:
+    """The model files ``repository``'s onnxruntime models need and lack: for each model
+    directory with a config.pbtxt for the onnxruntime backend, its model file
+    (``default_model_filename``, else model.onnx) in every version directory (``1/`` when there
+    is none)."""
+    from bls_models.repository import parse_config
+
+    missing = []
+    for config_path in sorted(repository.glob("*/config.pbtxt")):
+        config = parse_config(config_path.read_text())
+        if config.backend != "onnxruntime" and config.platform != "onnxruntime_onnx":
+            continue
+        name = config.default_model_filename or "model.onnx"
+        versions = [d for d in config_path.parent.iterdir() if d.is_dir() and d.name.isdigit()]
+        for version in versions or [config_path.parent / "1"]:
+            if not (version / name).exists():
+                missing.append(version / name)
+    return missing
+
+
+def export_missing(repository: Path, size: str, missing: list[Path]) -> list[Path]:
+    """Export the project's models for ``missing`` files of ``repository`` (the opt-in);
+    returns the files it cannot export (not one of the project's models)."""
+    models = {m.name: m for m in S.ONNX_MODELS}
+    unknown = []
+    for path in missing:
+        model = models.get(path.parent.parent.name)
+        if model is None or path.name != "model.onnx":
+            unknown.append(path)
+            continue
+        export_model(model, path, size)
+        print(f"exported {path} ({size}, sha256 {_digest(path)[:12]})", flush=True)
+    return unknown
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -113,10 +191,37 @@ def main(argv: list[str] | None = None) -> int:
                         default=os.environ.get("MODEL_SIZE", "small"),
                         help="network size (default: $MODEL_SIZE or 'small')")
     parser.add_argument("--force", action="store_true", help="export even if up to date")
+    parser.add_argument("--into-given", action="store_true",
+                        help="a repository other than the project's: export the project's "
+                             "models whose files are missing there (never an existing file)")
     args = parser.parse_args(argv)
-    exported = export_all(args.repository, args.size, args.force)
+    if not is_project_repository(args.repository):
+        return _given(args.repository, args.size, args.into_given)
+    try:
+        exported = export_all(args.repository, args.size, args.force)
+    except ForeignModelFile as refused:
+        print(f"modelgen.export: {refused}", file=sys.stderr)
+        return 2
     if not exported:
         print(f"ONNX models in {args.repository} are up to date ({args.size})")
+    return 0
+
+
+def _given(repository: Path, size: str, into_given: bool) -> int:
+    """A repository the user gave: served as it is; one line and exit 2 if a file is missing."""
+    if not repository.is_dir():
+        print(f"modelgen.export: {repository} is not a directory", file=sys.stderr)
+        return 2
+    missing = missing_model_files(repository)
+    if missing and into_given:
+        missing = export_missing(repository, size, missing)
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        print(f"modelgen.export: {missing[0]} is missing{more}; {repository} is served as it is "
+              "and nothing is exported into it (EXPORT_INTO_GIVEN=1 exports the project's "
+              "models there)", file=sys.stderr)
+        return 2
+    print(f"{repository}: every model file is present; served as it is (nothing exported)")
     return 0
 
 
