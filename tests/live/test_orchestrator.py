@@ -235,15 +235,17 @@ def test_one_bad_request_fails_alone(server):
 
 
 def test_a_full_sub_model_queue_is_unavailable(server):
-    """fault_queue has one instance and room for 2 queued requests."""
+    """fault_queue has one instance and room for 2 queued requests. Each request of the burst
+    has a timeout of its own, so none shares a group (one sub-request) with another even when
+    Triton hands them to one ``execute``: 7 requests, 7 sub-requests."""
     pool = concurrent.futures.ThreadPoolExecutor(8)
     clients = [grpcclient.InferenceServerClient(server.grpc_url) for _ in range(8)]
     try:
         busy = pool.submit(timed_infer, clients[0], "grpc", "pipeline_queue", image(1),
                            request_id="fault_queue:delay:1000")
         time.sleep(0.3)
-        burst = [pool.submit(timed_infer, clients[i], "grpc", "pipeline_queue", image(i))
-                 for i in range(1, 8)]
+        burst = [pool.submit(timed_infer, clients[i], "grpc", "pipeline_queue", image(i),
+                             timeout_us=20_000_000 + 1000 * i) for i in range(1, 8)]
         outcomes = [f.result(timeout=30) for f in burst]
         assert busy.result(timeout=30).error is None
     finally:
