@@ -63,9 +63,15 @@ def timed(function, calls):
         started = time.perf_counter()
         function()
         spent.append(time.perf_counter() - started)
-    spent.sort()
+    return summary(spent)
+
+
+def summary(spent):
+    spent = sorted(spent)
+    if not spent:
+        return {}
     return {"p50_us": 1e6 * spent[len(spent) // 2], "p90_us": 1e6 * spent[int(len(spent) * 0.9)],
-            "calls": calls}
+            "calls": len(spent)}
 
 
 class TritonPythonModel:
@@ -80,12 +86,12 @@ class TritonPythonModel:
             sender = request.get_response_sender()
             calls = int(pb.get_input_tensor_by_name(request, "CALLS").as_numpy().reshape(-1)[0])
             report = self.measure(request, sender, calls) if calls > 0 else {
-                "final send()": timed_list(SENDS)}
+                "final send()": summary(SENDS)}
             response = pb.InferenceResponse(output_tensors=[pb.Tensor(
                 "REPORT", np.array([json.dumps(report).encode()], dtype=np.object_))])
             started = time.perf_counter()
             sender.send(response, flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
-            if calls == 0 or calls == -1:
+            if calls <= 0:
                 SENDS.append(time.perf_counter() - started)
         return None
 
@@ -133,13 +139,6 @@ class TritonPythonModel:
             "metric increment()": timed(lambda: self.metric.increment(1), calls),
         }
 
-
-def timed_list(spent):
-    spent = sorted(spent)
-    if not spent:
-        return {}
-    return {"p50_us": 1e6 * spent[len(spent) // 2], "p90_us": 1e6 * spent[int(len(spent) * 0.9)],
-            "calls": len(spent)}
 '''
 
 _CALLCOST_CONFIG = '''

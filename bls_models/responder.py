@@ -13,8 +13,9 @@ Part of the orchestrator runtime (``triton_runtime`` wires it). What it holds to
   the log gets the details. Only if not even that response can be built is the request lost
   (``SEND_FAILED``).
 * **Answers returned from execute.** A request without a response sender
-  (``get_response_sender()`` raised in ``execute``), and every request in ``batch_gather`` mode,
-  is answered through ``execute``'s return value, which r24.10 accepts next to senders (``None``
+  (``get_response_sender()`` raised in ``execute``), and a request answered while ``execute``
+  waits for its batch (``return_within_ms``, ``batch_gather``), is answered through
+  ``execute``'s return value, which r24.10 accepts next to senders (``None``
   for the others: ``python_be.cc``, ``ProcessRequests``). The stub sends a batch's returned
   responses to the server in one message, where each ``send`` is a round trip of its own
   (bench/results/pb_calls.md).
@@ -70,10 +71,11 @@ class Job:
     answered: bool = False
     running: bool = False    # holds one of the max_inflight slots (event loop only)
     expiry: object = None    # while it waits for a slot: the timer that answers its deadline
-    # Set when it is answered (batch_gather mode: execute waits for its batch's answers).
+    # Set when it is answered, while execute waits for its batch's answers.
     done: threading.Event | None = None
     # Answered through execute's return value, not its sender: a request whose sender could
-    # not be had, and every request in batch_gather mode. ``returned`` is the response.
+    # not be had, and one answered while execute waits (``Responder.to_senders`` turns the
+    # others back to their senders when it stops). ``returned`` is the response.
     by_return: bool = False
     returned: object = None
     # Stage outputs kept on the GPU for this request (subrequests.DeviceTensor); released when

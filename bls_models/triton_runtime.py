@@ -134,6 +134,9 @@ class Orchestrator:
         # A decoupled model's execute must return None (r24.10 pb_stub.cc): every answer is sent.
         self.decoupled = bool((config.get("model_transaction_policy") or {}).get("decoupled"))
         self.hold = 0.0 if self.decoupled else self.config.return_within_ms / 1e3
+        # execute waits for its batch's answers: for return_within_ms, or (batch_gather) all.
+        self.gather = self.config.concurrency_mode == "batch_gather"
+        self.waits = self.gather or self.hold > 0
         # The most rows run as one group: this model's batch, and what every stage takes.
         stage_rows = repository.stage_max_batch(repositories, self.config.stages)
         self.group_rows = min([max(1, int(config.get("max_batch_size", 0)))]
@@ -210,13 +213,12 @@ class Orchestrator:
                     ready.append(job)
                 else:
                     self.responder.answer(job, error=job.failure)
-            gather = self.config.concurrency_mode == "batch_gather"
-            if gather or self.hold:  # execute waits for its batch's answers and returns them
+            if self.waits:  # execute waits for its batch's answers and returns them
                 for job in ready:
                     job.done, job.by_return = threading.Event(), not self.decoupled
             self.responder.admit(ready, self._start)
-            if gather or self.hold:
-                self._gather(ready, None if gather else arrived + self.hold)
+            if self.waits:
+                self._gather(ready, None if self.gather else arrived + self.hold)
         except BaseException:  # noqa: BLE001 - execute must not raise (see the module docstring)
             self.log(f"execute failed:\n{traceback.format_exc()}", error=True)
             jobs += [Job(Deadline.for_request(0, 0, arrived), arrived, by_return=True)
