@@ -52,7 +52,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
 .DEFAULT_GOAL := help
-.PHONY: help venv backend backend-gpu gpu-host models configs serve test test-unit bench bench-pb-calls soak clean docker-build docker-run test-container gpu-check
+.PHONY: help venv backend backend-gpu gpu-host models configs serve test test-unit bench bench-pb-calls bench-recovery soak clean docker-build docker-run test-container gpu-check
 BENCH_EXPERIMENTS := ort_options orchestration overhead coalescing fanout designs large_output clients tuning overload
 
 help: ## Show this help
@@ -122,6 +122,9 @@ $(addprefix bench-,$(BENCH_EXPERIMENTS)): bench-%: models backend ## (bench-orch
 
 bench-pb-calls: models backend ## What each pb_utils call costs in a stub, send vs return, calls per request -> bench/results/pb_calls.md
 	$(PY) -m bench.pb_calls
+
+bench-recovery: models backend ## A pipeline stub SIGKILLed under mixed load, 5 runs: what each model pays -> bench/results/recovery.md
+	$(PY) -m bench.recovery
 
 docker-build: ## Build the NGC-based server image and its test image (Docker; no GPU needed)
 	docker build --target server -t $(IMAGE) .

@@ -144,9 +144,17 @@ class OrchestratorConfig:
 _COMMON_NAMES = {p.name for p in COMMON}
 
 
+# Parameters the serving side adds to a config and the orchestrator ignores: the supervisor's
+# in-process reload (tritonlocal.launcher.reload_model) marks the config it loads with
+# "tritonlocal.reload", the one change that makes Triton replace every instance of a model.
+RESERVED_PREFIX = "tritonlocal."
+
+
 def string_parameters(model_config: dict) -> dict[str, str]:
-    """``{"key": {"string_value": "v"}}`` from a model config dict, as ``{"key": "v"}``."""
-    return {k: str(v.get("string_value", "")) for k, v in (model_config.get("parameters") or {}).items()}
+    """``{"key": {"string_value": "v"}}`` from a model config dict, as ``{"key": "v"}``, without
+    the RESERVED_PREFIX keys."""
+    return {k: str(v.get("string_value", "")) for k, v in (model_config.get("parameters") or {}).items()
+            if not k.startswith(RESERVED_PREFIX)}
 
 
 def parse(values: dict[str, str], accepted: tuple[Param, ...], stages: list[str]

@@ -10,6 +10,14 @@
 #   BLS_PROFILE=gpu-trt    + native TensorRT engines for the CNN stages, built here on first start
 #   BLS_DRY_RUN=1          render and check everything, print the tritonserver command, exit
 #   BLS_RUN_DIR=DIR        where this container renders its repository (default $TMPDIR or /tmp)
+#   BLS_RELOAD=1           run the reload watcher beside the server (the default; 0: none)
+#   TRITONLOCAL_ADMIN_HEADER=NAME=VALUE  restrict every admin API to this header
+#
+# The server loads every model at start in explicit model control mode. Beside it runs
+# `python3 -m tritonlocal.reload`: when a python-backend stub dies (Triton never restarts one) it
+# reloads that model alone through the repository API, and the probes (python3 -m
+# tritonlocal.liveness [--ready]) read what it is doing (docs/operations.md). The repository API
+# answers only the admin header or, without one, a random token made here for the watcher.
 #
 # Each start renders the profile into a directory of its own (repository-<profile>.XXXXXX under
 # $BLS_RUN_DIR): $BLS_CACHE may be a volume several containers share (engines are worth sharing),
@@ -49,9 +57,19 @@ if [ "${1:-}" = --print-repository ]; then
   echo "$repo"
   exit 0
 fi
+if [ -z "${TRITONLOCAL_ADMIN_HEADER:-}" ] && [ -z "${TRITONLOCAL_RELOAD_TOKEN:-}" ]; then
+  TRITONLOCAL_RELOAD_TOKEN="triton-reload-token=$(python3 -c 'import secrets; print(secrets.token_hex(16))')"
+fi
+export TRITONLOCAL_RELOAD_TOKEN="${TRITONLOCAL_RELOAD_TOKEN:-}"
 mapfile -t flags < <(python3 -m tritonlocal.flags --model-repository "$repo")
+watcher=(python3 -m tritonlocal.reload --url localhost:8000)
 if [ "$dry_run" = 1 ]; then
+  if [ "${BLS_RELOAD:-1}" = 1 ]; then echo "beside it: ${watcher[*]}" >&2; fi
   echo "tritonserver ${flags[*]} $*"
   exit 0
+fi
+if [ "${BLS_RELOAD:-1}" = 1 ]; then
+  # Started before exec, so it outlives this shell; it waits for the server and follows it.
+  "${watcher[@]}" &
 fi
 exec tritonserver "${flags[@]}" "$@"

@@ -8,9 +8,10 @@ one gets one line saying so, exit 2) and the GPU build of the onnxruntime backen
 Ctrl-C (SIGINT) or SIGTERM stops the server cleanly: SIGINT to tritonserver, a grace period,
 then SIGKILL for anything left of its process group, stubs included.
 
-A supervisor checks the server every ``--check-interval`` seconds and restarts it if it exits,
-stops answering, or loses a python-backend stub (``tritonlocal.liveness``); ``--no-supervise``
-turns that off (the server's exit then ends the command with status 1).
+A supervisor checks the server every ``--check-interval`` seconds: when a python-backend stub
+dies it reloads that model alone while the others keep serving (``tritonlocal.reload``), and it
+restarts the whole server if it exits or stops answering (``tritonlocal.liveness``);
+``--no-supervise`` turns that off (the server's exit then ends the command with status 1).
 """
 
 from __future__ import annotations
@@ -48,8 +49,8 @@ def banner(server: TritonServer) -> str:
         "",
         f"tritonserver {server.metadata().get('version', '?')} is ready "
         f"(repository: {server.options.model_repository})",
-        f"  HTTP     http://{server.http_url}    (health: /v2/health/ready, models: "
-        "POST /v2/repository/index)",
+        f"  HTTP     http://{server.http_url}    (health: /v2/health/ready, a model: "
+        f"/v2/models/{EXAMPLE_MODEL})",
         f"  gRPC     {server.grpc_url}",
         f"  metrics  {server.metrics_url}",
         f"  log      {server.log_file}",
@@ -169,9 +170,10 @@ def main(argv: list[str] | None = None) -> int:
                    "for requests with this header (default: $TRITONLOCAL_ADMIN_HEADER; the value "
                    "is visible in the server's command line to local users)")
     p.add_argument("--no-supervise", dest="supervise", action="store_false",
-                   help="do not restart the server when it exits or a python stub dies")
-    p.add_argument("--check-interval", type=float, default=2.0,
-                   help="seconds between the supervisor's liveness checks (default 2)")
+                   help="do not reload a model whose python stub died, nor restart the server "
+                        "when it exits")
+    p.add_argument("--check-interval", type=float, default=0.5,
+                   help="seconds between the supervisor's liveness checks (default 0.5)")
     p.add_argument("tritonserver_args", nargs="*",
                    help="extra tritonserver flags, after `--` (e.g. -- --log-verbose=1)")
     args = parser.parse_args(argv)

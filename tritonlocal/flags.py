@@ -10,6 +10,9 @@ Standard library only: it runs inside the container before anything else is know
 from __future__ import annotations
 
 import argparse
+import os
+import re
+import secrets
 import sys
 
 MIB = 2**20
@@ -33,6 +36,14 @@ CONTAINER_REPOSITORY = "/opt/bls/model_repository"
 # cuda_memory_manager.cc), so ids past the host's last GPU are ignored.
 CUDA_MEMORY_POOL_BYTES = 256 * MIB
 CUDA_POOL_GPUS = 8
+# The APIs an admin header restricts: everything that changes what the server serves or reads
+# (model load/unload, registering shared-memory regions) or what it logs and traces. Health,
+# metadata, inference, model config and statistics stay open.
+RESTRICTED_APIS = ("model-repository", "shared-memory", "logging", "trace")
+# Without an admin header of the operator's, the repository API (which explicit model control
+# opens, for the supervisor's reloads) answers only a random token of this name, which the server's
+# own supervisor holds: nothing is open that model control mode "none" kept closed.
+TOKEN_HEADER = "triton-reload-token"
 
 
 def serving_flags(shm_default_bytes: int = SHM_DEFAULT_BYTES,
@@ -40,8 +51,11 @@ def serving_flags(shm_default_bytes: int = SHM_DEFAULT_BYTES,
                   python_thread_pool: int = PYTHON_THREAD_POOL) -> list[str]:
     """What every server of this repository runs with, wherever it runs."""
     return [
-        # No load/unload at run time: what is deployed is what was reviewed.
-        "--model-control-mode=none",
+        # Every model in the repository is loaded at start, as with mode "none"; explicit control
+        # lets the supervisor reload one model whose python stub died (tritonlocal.reload) while
+        # the others keep serving. The repository API is restricted (restriction_flags).
+        "--model-control-mode=explicit",
+        "--load-model=*",
         # The configs are complete and committed: load them exactly as written.
         "--disable-auto-complete-config",
         # A model that fails to load stops the server instead of serving without it.
@@ -53,11 +67,53 @@ def serving_flags(shm_default_bytes: int = SHM_DEFAULT_BYTES,
     ]
 
 
-def container_flags(model_repository: str = CONTAINER_REPOSITORY) -> list[str]:
+def new_token() -> tuple[str, str]:
+    """A header only this server's supervisor knows: (TOKEN_HEADER, 32 random hex digits)."""
+    return TOKEN_HEADER, secrets.token_hex(16)
+
+
+def parse_header(spec: str) -> tuple[str, str]:
+    """``NAME=VALUE`` -> (name, value), checked as restriction_flags needs it."""
+    name, _, value = spec.partition("=")
+    check_header((name, value))
+    return name, value
+
+
+def check_header(header: tuple[str, str]) -> None:
+    name, value = header
+    if not re.fullmatch(r"[A-Za-z0-9-]+", name) or not value or any(c in value for c in ",:= "):
+        raise ValueError("the admin header needs a name of letters, digits and '-' and a "
+                         "non-empty value without ',', ':', '=' or spaces")
+
+
+def restriction_flags(header: tuple[str, str], apis: tuple[str, ...] = RESTRICTED_APIS) -> list[str]:
+    """tritonserver flags that answer ``apis`` only for requests carrying ``header``, over HTTP
+    and gRPC (Triton's --http-restricted-api / --grpc-restricted-protocol)."""
+    check_header(header)
+    name, value = header
+    rule = f"{','.join(apis)}:{name.lower()}={value}"
+    return [f"--http-restricted-api={rule}", f"--grpc-restricted-protocol={rule}"]
+
+
+def admin_restrictions(admin_header: tuple[str, str] | None,
+                       token: tuple[str, str]) -> list[str]:
+    """The operator's admin header restricts every RESTRICTED_APIS; without one, the repository
+    API alone is restricted to ``token`` (the supervisor's) and the others stay as Triton has
+    them."""
+    if admin_header is not None:
+        return restriction_flags(admin_header)
+    return restriction_flags(token, ("model-repository",))
+
+
+def container_flags(model_repository: str = CONTAINER_REPOSITORY,
+                    admin_header: tuple[str, str] | None = None,
+                    token: tuple[str, str] | None = None) -> list[str]:
     """The NGC container's server: all interfaces inside the container (publish the ports to
     127.0.0.1 on the host unless told otherwise), GPU metrics on, a CUDA memory pool per GPU
-    sized for the GPU profiles."""
+    sized for the GPU profiles, the repository API restricted (admin_restrictions; the entry
+    script hands the same header to the container's reload watcher)."""
     return [f"--model-repository={model_repository}", *serving_flags(),
+            *admin_restrictions(admin_header, token or new_token()),
             "--http-port=8000", "--grpc-port=8001", "--metrics-port=8002",
             "--allow-metrics=true", "--allow-gpu-metrics=true", "--allow-cpu-metrics=true",
             *cuda_pool_flags()]
@@ -74,8 +130,21 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python3 -m tritonlocal.flags",
                                      description="Print the container's tritonserver flags.")
     parser.add_argument("--model-repository", default=CONTAINER_REPOSITORY)
+    parser.add_argument("--admin-header", metavar="NAME=VALUE",
+                        default=os.environ.get("TRITONLOCAL_ADMIN_HEADER") or None,
+                        help="restrict every admin API to this header (default "
+                             "$TRITONLOCAL_ADMIN_HEADER)")
+    parser.add_argument("--token", metavar="NAME=VALUE",
+                        default=os.environ.get("TRITONLOCAL_RELOAD_TOKEN") or None,
+                        help="without an admin header, the header the repository API answers "
+                             "(default $TRITONLOCAL_RELOAD_TOKEN, else a random one)")
     args = parser.parse_args(argv)
-    print("\n".join(container_flags(args.model_repository)))
+    try:
+        admin = parse_header(args.admin_header) if args.admin_header else None
+        token = parse_header(args.token) if args.token else None
+    except ValueError as error:
+        parser.error(str(error))
+    print("\n".join(container_flags(args.model_repository, admin, token)))
     return 0
 
 

@@ -17,11 +17,22 @@ it, while ``/v2/health/live``, ``/v2/health/ready`` and ``/v2/models/<m>/ready``
 It also asks ``/v2/health/live``, so one check covers the server and its stubs. It uses only
 the standard library, reads ``/proc`` of the server's PID namespace and calls only endpoints
 that stay open under the launcher's admin header (health, statistics, model config), so the same
-command serves as a Kubernetes liveness probe inside the container::
+command serves as the Kubernetes probes inside the container::
 
-    python3 -m tritonlocal.liveness --url localhost:8000     # exit 0 alive, 1 not, 2 unknown
+    python3 -m tritonlocal.liveness --url localhost:8000          # exit 0 alive, 1 not, 2 unknown
+    python3 -m tritonlocal.liveness --url localhost:8000 --ready  # exit 0 ready, 1 not, 2 unknown
 
-The launcher's supervisor (``tritonlocal.launcher.Supervisor``) runs the same check in-process.
+A reloader (``tritonlocal.reload``: the launcher's supervisor, or the container's watcher) brings
+back a model whose stub died by reloading that model alone, and publishes its state in a file
+beside the server. The probes read it:
+
+* **liveness** fails when the server does not answer, when the reloader gave up on a model (its
+  reloads did not bring it back), or when a stub is dead and no reloader is watching; a dead stub
+  that a watching reloader is about to replace is not a reason to restart the pod;
+* **readiness** also fails while any instance lacks a live stub or a model is being reloaded,
+  and when Triton's ``/v2/health/ready`` does;
+* stubs the reloader *retired* (those of a replaced copy of a model, which r24.10 may keep as
+  zombies or running until the server exits) count neither as instances nor as dead.
 """
 
 from __future__ import annotations
@@ -31,6 +42,7 @@ import json
 import os
 import re
 import sys
+import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -58,20 +70,42 @@ class Report:
     missing: list[str] = field(default_factory=list)   # instances with no live stub
     checked_models: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)     # what could not be checked, and why
+    ready: bool | None = None                    # /v2/health/ready answered 200 (if asked)
+    watched: bool = False                        # a reloader's fresh state covers this server
+    reloading: list[str] = field(default_factory=list)  # models a reloader is reloading now
+    failed: dict[str, str] = field(default_factory=dict)  # models a reloader gave up on, why
 
     @property
     def ok(self) -> bool:
-        return self.live and not self.zombies and not self.missing
+        """Everything is as it should be: live, every instance has its stub, nothing failed."""
+        return self.live and not self.zombies and not self.missing and not self.failed
+
+    @property
+    def alive(self) -> bool:
+        """The liveness probe's answer: no reason to restart the server (or the pod)."""
+        if not self.live or self.failed:
+            return False
+        return self.watched or not (self.zombies or self.missing)
+
+    @property
+    def serving(self) -> bool:
+        """The readiness probe's answer: every model served by every instance, now."""
+        return self.ok and self.ready is not False and not self.reloading
 
     @property
     def dead_models(self) -> list[str]:
         return sorted({model_of(instance) for instance in self.missing})
 
     def summary(self) -> str:
-        if self.ok:
+        if self.ok and not self.reloading:
             return (f"alive: tritonserver {self.server_pid} is live and every stub of "
                     f"{len(self.checked_models)} stub-backed model(s) is running")
         problems = []
+        if self.failed:
+            problems.append("given up after repeated reloads: " + "; ".join(
+                f"{model} ({why})" for model, why in sorted(self.failed.items())))
+        if self.reloading:
+            problems.append(f"being reloaded: {', '.join(self.reloading)}")
         if not self.live:
             problems.append("/v2/health/live did not answer 200")
         if self.missing:
@@ -80,12 +114,18 @@ class Report:
         if self.zombies:
             problems.append(f"dead stub process(es) not reaped by the server: "
                             f"{', '.join(map(str, self.zombies))}")
-        return f"NOT alive: tritonserver {self.server_pid}: " + "; ".join(problems)
+        if self.alive and self.watched and (self.missing or self.zombies or self.reloading):
+            head = "alive, a reloader is bringing model(s) back"
+        else:
+            head = "alive" if self.alive else "NOT alive"
+        return f"{head}: tritonserver {self.server_pid}: " + "; ".join(problems)
 
     def as_dict(self) -> dict:
         return {"ok": self.ok, "server_pid": self.server_pid, "live": self.live,
                 "zombies": self.zombies, "missing": self.missing, "dead_models": self.dead_models,
-                "checked_models": self.checked_models, "notes": self.notes}
+                "checked_models": self.checked_models, "notes": self.notes, "alive": self.alive,
+                "ready": self.ready, "serving": self.serving, "watched": self.watched,
+                "reloading": self.reloading, "failed": self.failed}
 
 
 class CheckError(RuntimeError):
@@ -96,6 +136,15 @@ class CheckError(RuntimeError):
 def server_pids() -> list[int]:
     """Every process named tritonserver in this PID namespace."""
     return sorted(p.pid for p in procs.processes() if p.comm == procs.SERVER_COMM)
+
+
+def the_server() -> int:
+    """The one tritonserver of this PID namespace (CheckError if there are none or several)."""
+    servers = server_pids()
+    if len(servers) != 1:
+        raise CheckError(f"expected one tritonserver process, found {servers or 'none'}; "
+                         "pass --server-pid")
+    return servers[0]
 
 
 def stubs_of(server_pid: int) -> list[Stub]:
@@ -149,16 +198,15 @@ def expected_instances(url: str, stub_backends=STUB_BACKENDS, timeout: float = 5
 # -- the check ----------------------------------------------------------------------------------
 def check(url: str, server_pid: int | None = None, stub_backends=STUB_BACKENDS,
           timeout: float = 5.0, headers: dict[str, str] | None = None,
-          expected: dict[str, list[str]] | None = None) -> Report:
+          expected: dict[str, list[str]] | None = None, retired: set[int] | None = None,
+          state=None, ready: bool = False) -> Report:
     """``expected`` (model -> instance names, from ``expected_instances``) saves asking the
-    server for every config again: with model control mode ``none`` they cannot change while
-    the server runs."""
+    server for every config again (a reload by ``tritonlocal.reload`` keeps them). ``retired``:
+    stub pids of replaced copies of a model, ignored. ``state``: a reloader's
+    ``tritonlocal.reload.State`` for this server (its retired pids, reloads and failures).
+    ``ready``: also ask ``/v2/health/ready``."""
     if server_pid is None:
-        servers = server_pids()
-        if len(servers) != 1:
-            raise CheckError(f"expected one tritonserver process, found {servers or 'none'}; "
-                             "pass --server-pid")
-        server_pid = servers[0]
+        server_pid = the_server()
     if not procs.alive(server_pid):
         raise CheckError(f"no process {server_pid}")
     notes = []
@@ -170,9 +218,24 @@ def check(url: str, server_pid: int | None = None, stub_backends=STUB_BACKENDS,
         status = None
         notes.append(f"/v2/health/live: {error}")
     live = status == 200
-    stubs = stubs_of(server_pid)
+    retired = set(retired or ())
+    if state is not None and state.server_pid == server_pid:
+        retired |= set(state.retired)
+    stubs = [s for s in stubs_of(server_pid) if s.pid not in retired]
     report = Report(server_pid=server_pid, live=live, notes=notes,
                     zombies=[s.pid for s in stubs if s.state == "Z"])
+    if state is not None and state.server_pid == server_pid:
+        report.watched = state.fresh()
+        report.reloading = sorted(state.reloading)
+        report.failed = dict(state.failed)
+        if not report.watched:
+            report.notes.append(f"the reloader's state is {time.time() - state.updated:.0f} s old: "
+                                "nobody is reloading dead stubs")
+    if ready and live:
+        try:
+            report.ready = _get(url, "/v2/health/ready", timeout, headers or {})[0] == 200
+        except (urllib.error.URLError, OSError):
+            report.ready = False
     running = {s.instance for s in stubs if s.state != "Z" and s.instance}
     if live:
         try:
@@ -197,7 +260,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m tritonlocal.liveness",
         description="Exit 0 if tritonserver is live and every python-backend stub it started is "
-                    "running, 1 if not, 2 if it cannot tell (usable as a Kubernetes exec probe).")
+                    "running (or a watching reloader is bringing a model back), 1 if not, 2 if "
+                    "it cannot tell: the Kubernetes liveness probe; with --ready, the readiness "
+                    "probe.")
     parser.add_argument("--url", default=os.environ.get("TRITON_HTTP_URL", "localhost:8000"),
                         help="tritonserver's HTTP endpoint, host:port (default $TRITON_HTTP_URL "
                              "or localhost:8000)")
@@ -210,18 +275,29 @@ def main(argv: list[str] | None = None) -> int:
                         help="an HTTP header to send (if statistics or model config are restricted)")
     parser.add_argument("--timeout", type=float, default=5.0, help="seconds per HTTP call")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    parser.add_argument("--ready", action="store_true",
+                        help="the readiness check instead: also fail while an instance has no "
+                             "live stub, a model is being reloaded, or /v2/health/ready fails")
+    parser.add_argument("--state-dir", help="where the reloader publishes its state (default "
+                                            "$TRITONLOCAL_STATE_DIR or the temporary directory)")
     args = parser.parse_args(argv)
     headers = dict(h.split("=", 1) for h in args.header if "=" in h)
+    from tritonlocal import reload  # noqa: PLC0415 - reload imports this module
+
     try:
-        report = check(args.url, args.server_pid, (*STUB_BACKENDS, *args.stub_backend),
-                       args.timeout, headers)
+        server_pid = args.server_pid if args.server_pid is not None else the_server()
+        state = reload.State.read(reload.state_path(server_pid, args.state_dir))
+        report = check(args.url, server_pid, (*STUB_BACKENDS, *args.stub_backend),
+                       args.timeout, headers, state=state, ready=args.ready)
     except CheckError as error:
         print(f"unknown: {error}", file=sys.stderr)
         return UNKNOWN
     print(json.dumps(report.as_dict()) if args.json else report.summary())
     for note in report.notes:
         print(f"note: {note}", file=sys.stderr)
-    return ALIVE if report.ok else NOT_ALIVE
+    if args.ready:
+        return ALIVE if report.serving else NOT_ALIVE
+    return ALIVE if report.alive else NOT_ALIVE
 
 
 if __name__ == "__main__":

@@ -31,11 +31,14 @@ class Answer:
 async def closed_loop(url: str, model: str, clients: int, data: np.ndarray,
                       stop: threading.Event, name: str = "IMAGE", dtype: str = "UINT8",
                       timeout_us: int | None = None, retry_pause: float = 0.01,
-                      answers: list[Answer] | None = None) -> list[Answer]:
+                      answers: list[Answer] | None = None,
+                      client_timeout: float = 300.0) -> list[Answer]:
     """``clients`` concurrent clients over one asyncio gRPC connection, each sending its next
     request as soon as the last one is answered (``retry_pause`` after an error, so a refused
     client does not spin), until ``stop`` is set. Every request is appended to ``answers`` as it
-    completes (so another thread can watch the run), which is returned."""
+    completes (so another thread can watch the run), which is returned. ``timeout_us`` is
+    Triton's timeout for the request, ``client_timeout`` the client's gRPC deadline (seconds;
+    ``StatusCode.DEADLINE_EXCEEDED`` past it)."""
     import tritonclient.grpc.aio as grpcaio
     from tritonclient.utils import InferenceServerException
 
@@ -51,7 +54,7 @@ async def closed_loop(url: str, model: str, clients: int, data: np.ndarray,
             sequence += 1
             try:
                 result = await client.infer(model, inputs, request_id=sent_id,
-                                            timeout=timeout_us, client_timeout=300)
+                                            timeout=timeout_us, client_timeout=client_timeout)
                 answers.append(Answer(started, time.monotonic(), sent_id,
                                       result.get_response().id, None))
             except InferenceServerException as error:

@@ -1,17 +1,15 @@
-"""A python stub killed under load. Triton 2.51 never restarts it and keeps answering "ready", so:
-no request may hang (those held by the dead instance get an error once Triton notices, the rest
-within their deadline), ``tritonlocal.liveness`` (the supervisor's check, and the Kubernetes
-liveness probe) must see the dead stub, and the supervisor must restart the server so that
-requests succeed again, within 60 s. The only stubs are the python backend's models: the
-orchestrators (and, in ``mixed_repository``, a python test model); the ONNX models run inside
-tritonserver.
+"""A python stub killed under load. Triton 2.51 never restarts it and keeps answering "ready", so
+``tritonlocal.liveness`` (the supervisor's check, and the Kubernetes probes) must see the dead
+stub, and the supervisor must reload that model alone while every other model keeps serving:
+no request to another model fails, the model answers again within seconds, the replaced copy's
+stubs are retired, and nothing hangs past its client's deadline. A server that dies is still
+restarted whole; a model whose stub keeps dying is given up on, alone.
 
 Each test here starts its own server over the committed repository (about 4 s); the session
 server is never disturbed."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import signal
@@ -25,24 +23,20 @@ from pathlib import Path
 import pytest
 import tritonclient.grpc as grpcclient
 
-from tritonlocal.load import closed_loop
+from bench.recovery import kill_under_load
 from bls_models import spec as S
 from tests.live.support import PYTHON_MODEL, image, server_options, timed_infer
 from tritonlocal import TritonServer
 from tritonlocal.launcher import Supervisor
-from tritonlocal import procs
+from tritonlocal import procs, reload
 from tritonlocal.liveness import server_pids, stubs_of
 
 ROOT = Path(__file__).resolve().parents[2]
-RECOVERY_LIMIT = 60.0     # the promise: serving again within 60 s of a stub's death
-DEADLINE = 2.0            # each request's own deadline (Triton timeout), seconds
-SLACK = 0.5               # answered within DEADLINE + SLACK, or it counts as late
-# The stubs here are the orchestrators' (the ONNX models run inside tritonserver). A request
-# held by the killed orchestrator instance cannot be answered by it on time: Triton's python
-# backend fails it once it notices the stub is gone (5.2 s after the kill, measured here). Such
-# a request may take up to this long; any longer is a hang.
-STUB_LOSS_LIMIT = 10.0
-CLIENTS = 8
+# The promise checked here, with room for a busy 2-core host: the model answers again within
+# 10 s of its stub's death (measured: 1.0-1.5 s, docs/reliability.md, `make bench-recovery`).
+RECOVERY_LIMIT = 10.0
+DEADLINE = 3.0            # each request's client deadline (and Triton timeout), seconds
+SLACK = 1.0               # a request ends within DEADLINE + SLACK, or it hung
 
 
 @pytest.fixture
@@ -118,61 +112,80 @@ def test_the_probe_sees_a_killed_stub_that_triton_still_calls_ready(fresh, serve
     assert unsure.returncode == 2 and "--server-pid" in unsure.stderr
 
 
-def test_a_stub_killed_under_load_is_recovered_by_the_supervisor(fresh):
-    events: list[str] = []
-    supervisor = Supervisor(fresh, interval=1.0, restart_grace=5.0, log=events.append).start()
-    stop, log = threading.Event(), []
-    # CLIENTS clients, each with its own 2 s deadline; 50 ms pause after an error (the server
-    # restarts).
-    loader = threading.Thread(target=lambda: asyncio.run(closed_loop(
-        fresh.grpc_url, "pipeline", CLIENTS, image(3), stop, timeout_us=int(DEADLINE * 1e6),
-        retry_pause=0.05, answers=log)))
-    loader.start()
+def test_a_pipeline_stub_killed_under_mixed_load_costs_only_pipeline_a_moment(fresh):
+    """pipeline, tag_pipeline and pipeline_ensemble under load from gRPC and HTTP clients; one
+    pipeline stub SIGKILLed; the supervisor reloads pipeline alone."""
+    supervisor = Supervisor(fresh, interval=0.5, restart_grace=5.0, retire_grace=3.0,
+                            log=lambda line: print(line)).start()
     try:
-        time.sleep(3.0)
-        victim = fresh.stub_pids("pipeline")[0]
-        killed_at = time.monotonic()
-        os.kill(victim, signal.SIGKILL)
-        # Wait for the restart, then for requests to succeed again.
-        recovered_at = None
-        while time.monotonic() - killed_at < RECOVERY_LIMIT + 10:
-            time.sleep(0.2)
-            ready = [t for t, what in supervisor.events if what == "ready"]
-            if ready:
-                ok = [a.finished for a in list(log) if a.started > ready[0] and a.code is None]
-                if len(ok) >= 50:
-                    recovered_at = ok[0]
-                    break
+        run, answers = kill_under_load(fresh, supervisor, "pipeline", before=3.0, after=3.0,
+                                       deadline=DEADLINE)
+        # The probe commands as Kubernetes runs them agree: live and ready again.
+        checks = {extra: probe(fresh, *extra) for extra in ((), ("--ready",))}
     finally:
-        stop.set()
-        loader.join(60)
         supervisor.stop()
     assert supervisor.error is None, supervisor.error
-    assert recovered_at is not None, f"not serving again after {RECOVERY_LIMIT + 10} s: {events}"
-
-    before = [a for a in log if a.finished < killed_at]
-    restart = [t for t, what in supervisor.events if what.startswith("restart")]
-    ready = [t for t, what in supervisor.events if what == "ready"]
-    failed = [a for a in log if a.code is not None]
-    slowest = max(a.seconds for a in log)
-    print(f"\nstub killed; detected after {restart[0] - killed_at:.1f} s, server ready after "
-          f"{ready[0] - killed_at:.1f} s, first success after {recovered_at - killed_at:.1f} s; "
-          f"{len(log)} requests, {len(failed)} errors, slowest {slowest:.2f} s")
-    assert all(a.code is None for a in before), "errors before the kill"
-    assert len(restart) == 1 and "pipeline_0_" in supervisor.events[0][1], supervisor.events
-    assert recovered_at - killed_at < RECOVERY_LIMIT
-    assert slowest < STUB_LOSS_LIMIT, "a request was not answered after its stub died: a hang"
-    # Only requests in flight at the kill (at most one per client) can be late.
-    late = [a for a in log if a.seconds > DEADLINE + SLACK]
-    assert len(late) <= CLIENTS and all(a.started < killed_at for a in late), late
-    assert failed, "the kill had no visible effect: the test did not test anything"
-    # Afterwards: every stub is a new, live process and the check agrees.
-    assert victim not in fresh.stub_pids("pipeline")
+    print(f"\n{run}")
+    # Nothing but pipeline noticed, and the server was never restarted.
+    assert run.server_restarts == 0, run.events
+    assert run.others_failed == 0, run.failures
+    assert all(answers[m] for m in answers), "a model got no requests: the test tested nothing"
+    # pipeline answers again within the bound, and only pipeline's own requests failed.
+    assert run.reloaded_s is not None and run.reloaded_s < RECOVERY_LIMIT, run.events
+    assert run.answering_s < RECOVERY_LIMIT, run
+    assert run.in_flight_failed + run.victim_failed_after_kill > 0, \
+        "the kill had no visible effect: the test did not test anything"
+    # No request outlived its deadline: what the dead stub held ended at the client's deadline
+    # at the latest (r24.10 never answers it: docs/reliability.md).
+    slowest = max(a.seconds for got in answers.values() for a in got)
+    assert slowest < DEADLINE + SLACK, slowest
+    # Afterwards: every pipeline stub is new, the replaced copy's stubs are retired, and the
+    # checks agree (in-process, and the probe commands).
+    assert run.stubs_all_new and run.alive_after, run
     assert len(fresh.stub_pids("pipeline")) == S.PIPELINE.instance_count
-    # The server the supervisor's thread started outlives that thread (PR_SET_PDEATHSIG is
-    # per thread: tritonlocal.launcher spawns every server from one long-lived thread).
-    time.sleep(1.0)
-    assert fresh.is_running() and fresh.liveness().ok
+    for extra, checked in checks.items():
+        assert checked.returncode == 0, (extra, checked.stdout, checked.stderr)
+    assert not reload.state_path(fresh.process.pid).exists(), "the supervisor left its state"
+    group = fresh.process.pid
+    fresh.stop()
+    with pytest.raises(ProcessLookupError):  # no process of the server's group is left
+        os.killpg(group, 0)
+
+
+def test_the_probes_follow_the_reloader(fresh):
+    """While a reloader watches, a dead stub keeps the pod live but not ready; once the model
+    is back, both pass; when the reloader has given up on a model, liveness fails."""
+    supervisor = Supervisor(fresh, interval=0.5, retire_grace=1.0, max_reloads=1,
+                            log=lambda _: None)
+    supervisor.check_once()  # publishes the state file
+    assert probe(fresh).returncode == 0 and probe(fresh, "--ready").returncode == 0
+    victim = fresh.stub_pids("tag_pipeline")[0]
+    kill_and_wait_dead(victim)
+    # Found but not yet reloaded: live (a reloader is on it), not ready.
+    supervisor.reloader.publish()
+    live, ready = probe(fresh), probe(fresh, "--ready")
+    assert live.returncode == 0, live.stdout + live.stderr
+    assert ready.returncode == 1 and "tag_pipeline" in ready.stdout, ready.stdout
+    assert supervisor.check_once() is False  # reloaded, not restarted
+    assert probe(fresh).returncode == 0 and probe(fresh, "--ready").returncode == 0
+    assert victim not in fresh.stub_pids("tag_pipeline")
+    # The second death within the window is one too many for max_reloads=1: given up on.
+    # (a stub of the new copy: the replaced copy's are retired, and stop after retire_grace)
+    kill_and_wait_dead(next(pid for pid in fresh.stub_pids("tag_pipeline")
+                            if pid not in supervisor.reloader.retired))
+    assert supervisor.check_once() is False
+    given_up = probe(fresh)
+    assert given_up.returncode == 1 and "tag_pipeline" in given_up.stdout, given_up.stdout
+    assert "tag_pipeline" in supervisor.reloader.state.failed
+    # ... while the other models keep serving, and the server was never restarted.
+    client = grpcclient.InferenceServerClient(fresh.grpc_url)
+    try:
+        for model in ("pipeline", "pipeline_ensemble"):
+            assert timed_infer(client, "grpc", model, image(2)).error is None
+    finally:
+        client.close()
+    assert supervisor.events == [] and fresh.is_running()
+    supervisor.reloader.forget()
 
 
 def test_the_supervisor_restarts_a_server_that_died(fresh):
@@ -187,18 +200,19 @@ def test_the_supervisor_restarts_a_server_that_died(fresh):
         os.killpg(first, 0)
 
 
-def test_a_crash_loop_makes_the_supervisor_give_up(fresh):
+def test_a_crash_loop_of_the_server_makes_the_supervisor_give_up(fresh):
     supervisor = Supervisor(fresh, interval=0.5, restart_grace=2.0, max_restarts=0,
                             log=lambda _: None)
-    kill_and_wait_dead(fresh.stub_pids("tag_pipeline")[0])
+    os.kill(fresh.process.pid, signal.SIGKILL)
+    fresh.process.wait()
     with pytest.raises(Exception, match="giving up"):
         supervisor.check_once()
     assert not fresh.is_running()
 
 
-def test_make_serve_restarts_the_server_when_a_stub_dies(serve):
+def test_make_serve_reloads_the_model_whose_stub_died(serve):
     """The same recovery through `python -m tritonlocal serve` (what `make serve` runs)."""
-    launcher, ports = serve("--check-interval", "1")
+    launcher, ports = serve("--check-interval", "0.5")
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(iter(launcher.stdout.readline, "")),
                               daemon=True)
@@ -213,11 +227,13 @@ def test_make_serve_restarts_the_server_when_a_stub_dies(serve):
         victim = stubs[0]
         killed_at = time.monotonic()
         os.kill(victim.pid, signal.SIGKILL)
-        while not any("ready again" in line for line in lines):
+        while not any("serving again" in line for line in lines):
             assert time.monotonic() - killed_at < RECOVERY_LIMIT, "".join(lines)
             time.sleep(0.2)
-        restart = next(line for line in lines if "restarting tritonserver" in line)
-        assert victim.instance in restart and "without a live stub" in restart
+        reloading = next(line for line in lines if "reloading" in line)
+        assert victim.instance in reloading and "without a live stub" in reloading
+        assert f"reloading '{PYTHON_MODEL.name}' alone" in reloading
+        assert not any("restarting tritonserver" in line for line in lines), "".join(lines)
         client = grpcclient.InferenceServerClient(f"127.0.0.1:{ports[1]}")
         answers = [timed_infer(client, "grpc", model, image(1))
                    for model in (PYTHON_MODEL.name, "preprocess")]

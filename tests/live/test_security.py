@@ -1,5 +1,6 @@
-"""Who may change what the server serves: endpoints bound to 127.0.0.1, model control mode
-`none` (no load/unload), and — with an admin header — the model-repository and shared-memory
+"""Who may change what the server serves: endpoints bound to 127.0.0.1; the repository API
+(load/unload, which explicit model control opens for the supervisor's reloads) refused without
+the server's own token; and — with an admin header — the model-repository and shared-memory
 APIs refused to any request without it, over HTTP and gRPC, while inference stays open."""
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from tritonclient.utils import InferenceServerException
 
 from bls_models import spec as S
 from tests.live.support import make_repository, server_options
-from tritonlocal import LauncherError, ServerOptions, TritonServer
+from tritonlocal import LauncherError, ServerOptions, TritonServer, flags
 
 HEADER = ("triton-admin-key", f"k{uuid.uuid4().hex}")
 
@@ -78,11 +79,44 @@ def test_endpoints_listen_on_loopback_only(server):
 
 
 @pytest.mark.parametrize("action", ["load", "unload"])
-def test_model_control_mode_none_refuses_load_and_unload(server, action):
+def test_without_the_servers_token_load_and_unload_are_refused_over_http(server, action):
+    """No admin header given: the repository API answers only the launcher's random token."""
     reply = http_post(server, f"/v2/repository/models/preprocess/{action}")
-    assert reply.status_code == 503, reply.text  # Triton's status for "not allowed" here
-    assert "not allowed" in reply.json()["error"].lower()
+    assert reply.status_code == 403, reply.text
+    assert flags.TOKEN_HEADER in reply.json()["error"]
+    assert http_post(server, "/v2/repository/index").status_code == 403
     assert requests.get(f"http://{server.http_url}/v2/models/preprocess/ready",
+                        timeout=10).status_code == 200
+
+
+def test_without_the_servers_token_the_repository_api_is_refused_over_grpc(server):
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    try:
+        for call in (lambda h: client.unload_model("preprocess", headers=h),
+                     lambda h: client.load_model("preprocess", headers=h),
+                     lambda h: client.get_model_repository_index(headers=h)):
+            with pytest.raises(InferenceServerException) as refused:
+                call({})
+            assert "restricted" in str(refused.value), refused.value
+        (name, value), = server.repository_headers.items()
+        index = client.get_model_repository_index(
+            headers={f"triton-grpc-protocol-{name}": value}, as_json=True)
+        assert {m["name"] for m in index["models"]} >= {"preprocess", "pipeline"}
+        assert client.is_model_ready("preprocess")
+    finally:
+        client.close()
+
+
+def test_the_servers_token_loads_a_model_and_opens_nothing_else(server):
+    """With the token, load works (a plain load of an unchanged model: Triton keeps it as it is);
+    the other admin APIs stay as Triton has them without an admin header."""
+    headers = server.repository_headers
+    reply = requests.post(f"http://{server.http_url}/v2/repository/models/preprocess/load",
+                          headers=headers, timeout=60)
+    assert reply.status_code == 200, reply.text
+    assert requests.get(f"http://{server.http_url}/v2/models/preprocess/ready",
+                        timeout=10).status_code == 200
+    assert requests.get(f"http://{server.http_url}/v2/systemsharedmemory/status",
                         timeout=10).status_code == 200
 
 
@@ -93,6 +127,9 @@ def test_unauthenticated_repository_calls_are_refused_over_http(restricted, path
     assert reply.status_code == 403, reply.text
     assert HEADER[0] in reply.json()["error"]
     assert http_post(restricted, "/v2/repository/index", authorised=True).status_code == 200
+    # The admin header opens load too (a plain load of an unchanged model keeps it as it is).
+    assert http_post(restricted, "/v2/repository/models/preprocess/load",
+                     authorised=True).status_code == 200
     assert requests.get(f"http://{restricted.http_url}/v2/models/preprocess/ready",
                         timeout=10).status_code == 200
 

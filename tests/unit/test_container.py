@@ -19,6 +19,7 @@ from modelgen import configs, profiles
 from tritonlocal import flags
 
 ROOT = Path(__file__).resolve().parents[2]
+TOKEN_SPEC = "triton-reload-token=t0ken"  # the dry runs' token, so their commands are known
 DOCKERFILE = (ROOT / "Dockerfile").read_text()
 IMAGE = "nvcr.io/nvidia/tritonserver:24.10-py3"
 KIND = model_config_pb2.ModelInstanceGroup.Kind
@@ -95,7 +96,7 @@ def test_every_copy_source_exists_and_no_secret_is_baked_in():
 
 
 def entry_script(profile: str, cache: Path, run_dir: Path, repository: Path,
-                 *args: str) -> subprocess.CompletedProcess:
+                 *args: str, env: dict[str, str | None] | None = None) -> subprocess.CompletedProcess:
     """``scripts/container-serve.sh`` in dry-run mode, the venv's interpreter standing in for the
     image's python3."""
     python_dir = Path(sys.executable).parent
@@ -103,11 +104,41 @@ def entry_script(profile: str, cache: Path, run_dir: Path, repository: Path,
         pytest.skip("no python3 beside the test interpreter")
     env = {**os.environ, "BLS_HOME": str(ROOT), "BLS_CACHE": str(cache), "BLS_PROFILE": profile,
            "BLS_DRY_RUN": "1", "BLS_MODEL_REPOSITORY": str(repository), "BLS_RUN_DIR": str(run_dir),
-           "PATH": f"{python_dir}:{os.environ['PATH']}"}
+           "PATH": f"{python_dir}:{os.environ['PATH']}", "TRITONLOCAL_RELOAD_TOKEN": TOKEN_SPEC,
+           "TRITONLOCAL_ADMIN_HEADER": None, **(env or {})}
+    env = {k: v for k, v in env.items() if v is not None}
     done = subprocess.run(["bash", str(ROOT / "scripts/container-serve.sh"), *args],
                           env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     return done
+
+
+def restricted(command: list[str]) -> dict[str, str]:
+    """--http-restricted-api / --grpc-restricted-protocol flags of a command: flag -> rule."""
+    return {f.split("=", 1)[0]: f.split("=", 1)[1] for f in command
+            if f.startswith(("--http-restricted-api=", "--grpc-restricted-protocol="))}
+
+
+@pytest.mark.parametrize("admin", [None, "triton-admin-key=s3cret"])
+def test_the_container_restricts_the_repository_api_its_explicit_mode_opens(tmp_path, repository,
+                                                                          admin):
+    """Explicit model control opens load/unload: without the operator's admin header, only a
+    token made at each start (and handed to the reload watcher) opens them."""
+    env = {"TRITONLOCAL_RELOAD_TOKEN": None, "TRITONLOCAL_ADMIN_HEADER": admin}
+    runs = [entry_script("portable", tmp_path / "cache", tmp_path / f"run{i}", repository, env=env)
+            for i in range(2)]
+    commands = [run.stdout.strip().splitlines()[-1].split() for run in runs]
+    assert all("--model-control-mode=explicit" in c and "--load-model=*" in c for c in commands)
+    rules = [restricted(c) for c in commands]
+    for rule in rules:
+        assert set(rule) == {"--http-restricted-api", "--grpc-restricted-protocol"}
+        assert len(set(rule.values())) == 1
+    rule = rules[0]["--http-restricted-api"]
+    if admin is None:
+        assert re.fullmatch(r"model-repository:triton-reload-token=[0-9a-f]{32}", rule), rule
+        assert rules[0] != rules[1], "the same token twice"
+    else:
+        assert rule == f"{','.join(flags.RESTRICTED_APIS)}:{admin}"
 
 
 def served_repository(command: list[str]) -> Path:
@@ -127,7 +158,8 @@ def test_the_entry_script_dry_run_renders_the_profile_and_the_command(profile, t
         assert re.fullmatch(rf"repository-{profile}\.\w{{6}}", served.name), served.name
         assert (served / "pipeline" / "config.pbtxt").is_file()
     assert command[0] == "tritonserver" and command[-1] == "--log-verbose=1"
-    assert command[1:-1] == flags.container_flags(str(served))
+    assert command[1:-1] == flags.container_flags(str(served), token=flags.parse_header(TOKEN_SPEC))
+    assert "beside it: python3 -m tritonlocal.reload" in done.stderr
     if profile == "gpu-trt":
         assert "classifier_trt" in done.stderr and "nothing built" in done.stderr
 

@@ -72,17 +72,18 @@ def test_ports_and_probes_are_the_servers():
     served = {f.split("=")[0].removeprefix("--").removesuffix("-port"): int(f.split("=")[1])
               for f in flags.container_flags() if f.split("=")[0].endswith("-port")}
     assert ports == served
-    for probe in ("startupProbe", "readinessProbe"):
-        assert c[probe]["httpGet"] == {"path": "/v2/health/ready", "port": "http"}
+    assert c["startupProbe"]["httpGet"] == {"path": "/v2/health/ready", "port": "http"}
     service = documents()["Service"]
     assert {p["name"]: p["port"] for p in service["spec"]["ports"]} == ports
     monitor = documents()["ServiceMonitor"]["spec"]["endpoints"][0]
     assert monitor["port"] in ports and monitor["path"] == "/metrics"
 
 
-def test_the_liveness_probe_is_the_projects_check_and_its_arguments_parse():
-    command = container()["livenessProbe"]["exec"]["command"]
+@pytest.mark.parametrize("probe", ["livenessProbe", "readinessProbe"])
+def test_the_probes_are_the_projects_check_and_their_arguments_parse(probe):
+    command = container()[probe]["exec"]["command"]
     assert command[:3] == ["python3", "-m", "tritonlocal.liveness"]
+    assert ("--ready" in command) == (probe == "readinessProbe")
     # The same arguments against a port where nothing listens and a pid that does not exist:
     # "cannot tell" (2), not an argument error (2 from argparse has a usage line).
     done = subprocess.run([sys.executable, "-m", "tritonlocal.liveness", *command[3:],

@@ -1,0 +1,337 @@
+"""Bring back one model whose python-backend stub died, while every other model keeps serving.
+
+Triton 2.51 never restarts a dead stub: the instance fails every request routed to it while the
+server reports ready (``tritonlocal.liveness``). With the server in explicit model control mode,
+``Reloader`` reloads just that model through the repository API:
+
+* **How.** ``POST /v2/repository/models/<m>/load`` with the model's own served config as an
+  override, marked with a ``tritonlocal.reload`` parameter (the orchestrators ignore the
+  ``tritonlocal.`` prefix). A plain load of unchanged files is a no-op in Triton core r24.10, and
+  an override that differs only in ``instance_group`` updates instances in place, keeping the dead
+  one (``model_lifecycle.cc`` ``ConfigChangeRequiresReload``); any other difference makes Triton
+  load a new copy of the model in the background, switch to it when it is ready and retire the
+  old one. The old copy's live instances keep answering what they hold.
+* **What is left behind.** Requests the dead stub held after its ``execute`` had returned (answers
+  owed through a response sender) are never answered by r24.10, and their response factories keep
+  the old copy of the model alive; so its dead stub stays a zombie and its live stubs keep
+  running. The reloader *retires* every stub of the old copy: the liveness check no longer counts
+  them, and live ones are SIGKILLed ``retire_grace`` seconds later, when what they held has
+  finished or passed its deadline (docs/reliability.md).
+* **Crash loops.** More than ``max_reloads`` reloads of one model within ``window`` seconds and
+  the reloader gives up on that model: it is reported ``failed``, the liveness probe fails (so
+  Kubernetes restarts the pod), and the other models keep serving.
+
+The reloader publishes what it is doing in a small JSON state file beside the server
+(``state_path``): the liveness and readiness probes (``python -m tritonlocal.liveness``) read it.
+The launcher's ``Supervisor`` runs a ``Reloader`` in-process; in the container, where tritonserver
+is the main process, ``python3 -m tritonlocal.reload`` runs one beside it. Standard library only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tritonlocal import liveness, procs
+
+RELOAD_PARAMETER = "tritonlocal.reload"
+STATE_VERSION = 1
+
+
+class ReloadError(RuntimeError):
+    """The server refused or failed a reload."""
+
+
+def state_path(server_pid: int, directory: str | None = None) -> Path:
+    """Where the reloader of tritonserver ``server_pid`` publishes its state."""
+    base = directory or os.environ.get("TRITONLOCAL_STATE_DIR") or tempfile.gettempdir()
+    return Path(base) / f"tritonlocal-reload-{server_pid}.json"
+
+
+@dataclass
+class State:
+    """What the probes need from the reloader. ``updated``: wall-clock time of the last check
+    (a state older than ``stale_after`` seconds means no reloader is watching)."""
+    server_pid: int
+    updated: float = 0.0
+    interval: float = 1.0
+    reloading: list[str] = field(default_factory=list)   # models being reloaded now
+    failed: dict[str, str] = field(default_factory=dict)  # model -> why the reloader gave up
+    retired: list[int] = field(default_factory=list)      # stub pids of replaced copies
+    reloads: dict[str, int] = field(default_factory=dict)  # model -> reloads so far
+
+    @property
+    def stale_after(self) -> float:
+        return 3 * self.interval + 5.0
+
+    def fresh(self, now: float | None = None) -> bool:
+        return (now if now is not None else time.time()) - self.updated <= self.stale_after
+
+    def write(self, path: Path) -> None:
+        body = {"version": STATE_VERSION, "server_pid": self.server_pid, "updated": self.updated,
+                "interval": self.interval, "reloading": sorted(self.reloading),
+                "failed": self.failed, "retired": sorted(self.retired), "reloads": self.reloads}
+        temporary = path.with_name(f".{path.name}.{os.getpid()}")
+        temporary.write_text(json.dumps(body))
+        os.replace(temporary, path)
+
+    @classmethod
+    def read(cls, path: Path) -> "State | None":
+        try:
+            body = json.loads(Path(path).read_text())
+        except (OSError, ValueError):
+            return None
+        if body.get("version") != STATE_VERSION:
+            return None
+        return cls(server_pid=int(body["server_pid"]), updated=float(body["updated"]),
+                   interval=float(body["interval"]), reloading=list(body["reloading"]),
+                   failed=dict(body["failed"]), retired=[int(p) for p in body["retired"]],
+                   reloads=dict(body.get("reloads", {})))
+
+
+def _call(url: str, path: str, headers: dict[str, str], body: dict | None = None,
+          timeout: float = 120.0) -> tuple[int, bytes]:
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(f"http://{url}{path}", data=data, headers=headers,
+                                     method="GET" if body is None else "POST")
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            return response.status, response.read()
+    except urllib.error.HTTPError as error:
+        return error.code, error.read()
+
+
+def reload_model(url: str, model: str, headers: dict[str, str], generation: str,
+                 timeout: float = 120.0) -> None:
+    """Make Triton load a new copy of ``model`` (every instance new) and switch to it; returns
+    when the new copy serves. Raises ReloadError with the server's words otherwise."""
+    quoted = urllib.parse.quote(model)
+    status, body = _call(url, f"/v2/models/{quoted}/config", headers, timeout=timeout)
+    if status != 200:
+        raise ReloadError(f"/v2/models/{model}/config answered {status}: {body[:200]!r}")
+    config = json.loads(body)
+    parameters = config.setdefault("parameters", {})
+    parameters[RELOAD_PARAMETER] = {"string_value": generation}
+    status, body = _call(url, f"/v2/repository/models/{quoted}/load", headers,
+                         {"parameters": {"config": json.dumps(config)}}, timeout=timeout)
+    if status != 200:
+        raise ReloadError(f"load of '{model}' answered {status}: {body[:300]!r}")
+
+
+class Reloader:
+    """Reloads the models whose stubs died, one check at a time (``handle``), and publishes its
+    state for the probes. ``headers`` open the repository API (the admin header or the server's
+    token)."""
+
+    def __init__(self, url: str, headers: dict[str, str], interval: float = 1.0,
+                 max_reloads: int = 5, window: float = 600.0, retire_grace: float = 15.0,
+                 state_dir: str | None = None, log=print) -> None:
+        self.url = url
+        self.headers = headers
+        self.interval = interval
+        self.max_reloads = max_reloads
+        self.window = window
+        self.retire_grace = retire_grace
+        self.state_dir = state_dir
+        self.log = log
+        self.server_pid: int | None = None
+        self.state: State | None = None
+        self.history: dict[str, list[float]] = {}   # model -> monotonic times of its reloads
+        # (monotonic due time, pid, argv) of the replaced copies' live stubs: the argv (which
+        # names the stub's own shared-memory region) tells the stub from a later process that
+        # got its pid.
+        self.to_kill: list[tuple[float, int, tuple[bytes, ...]]] = []
+        self.events: list[tuple[float, str]] = []
+
+    # -- state ----------------------------------------------------------------------------
+    def attach(self, server_pid: int) -> None:
+        """Watch tritonserver ``server_pid`` (a new server: what was retired or failed is gone)."""
+        if self.server_pid != server_pid:
+            self.forget()
+            self.server_pid = server_pid
+            self.state = State(server_pid, interval=self.interval)
+            self.history.clear()
+            self.to_kill.clear()
+        self.publish()
+
+    def forget(self) -> None:
+        """Remove the state file of the server watched so far."""
+        if self.server_pid is not None:
+            state_path(self.server_pid, self.state_dir).unlink(missing_ok=True)
+        self.server_pid, self.state = None, None
+
+    def publish(self) -> None:
+        if self.state is None:
+            return
+        # A retired pid that no longer exists is not needed any more (and could be reused).
+        self.state.retired = [pid for pid in self.state.retired if procs.alive(pid)]
+        self.state.updated = time.time()
+        try:
+            self.state.write(state_path(self.state.server_pid, self.state_dir))
+        except OSError as error:
+            self.log(f"reloader: cannot write its state: {error}")
+
+    @property
+    def retired(self) -> set[int]:
+        return set(self.state.retired) if self.state else set()
+
+    # -- one check --------------------------------------------------------------------------
+    def handle(self, report: liveness.Report) -> list[str]:
+        """Reload every model ``report`` finds without a live stub; returns the models it could
+        not bring back this time (reload refused or failed; those given up on are in
+        ``state.failed``)."""
+        assert self.state is not None, "attach() first"
+        self.kill_due()
+        failed_now = []
+        for model in report.dead_models:
+            if model in self.state.failed:
+                continue
+            now = time.monotonic()
+            recent = [t for t in self.history.get(model, []) if now - t < self.window]
+            if len(recent) >= self.max_reloads:
+                reason = (f"{len(recent)} reloads within {self.window:.0f} s and its stub died "
+                          f"again ({', '.join(i for i in report.missing if liveness.model_of(i) == model)})")
+                self.state.failed[model] = reason
+                self.events.append((now, f"gave up: {model}"))
+                self.log(f"reloader: giving up on '{model}': {reason}; the liveness probe now "
+                         "fails, the other models keep serving")
+                continue
+            self.history[model] = recent + [now]
+            if not self.reload(model, report):
+                failed_now.append(model)
+        self.publish()
+        return failed_now
+
+    def reload(self, model: str, report: liveness.Report) -> bool:
+        """Retire the model's current stubs (and the dead ones found), load a new copy, and check
+        that every instance of it has a new live stub."""
+        state = self.state
+        before = set(liveness_stubs(self.server_pid).get(model, []))
+        state.retired = sorted(set(state.retired) | before | set(report.zombies))
+        state.reloading = sorted(set(state.reloading) | {model})
+        self.publish()
+        started = time.monotonic()
+        self.events.append((started, f"reload: {model}: {report.summary()}"))
+        self.log(f"reloader: {report.summary()}; reloading '{model}' alone (reload "
+                 f"{len(self.history[model])} of this model within {self.window:.0f} s)")
+        state.reloads[model] = state.reloads.get(model, 0) + 1
+        try:
+            reload_model(self.url, model, self.headers, f"{state.reloads[model]}-{time.time():.3f}")
+            fresh = liveness.check(self.url, self.server_pid, headers=self.headers,
+                                   retired=set(state.retired))
+            if model in fresh.dead_models:
+                raise ReloadError(f"'{model}' still has instance(s) without a live stub after "
+                                  f"its reload: {fresh.missing}")
+        except (ReloadError, liveness.CheckError, OSError, ValueError) as error:
+            self.events.append((time.monotonic(), f"reload failed: {model}: {error}"))
+            self.log(f"reloader: reloading '{model}' failed: {error}")
+            return False
+        finally:
+            state.reloading = sorted(set(state.reloading) - {model})
+        due = time.monotonic() + self.retire_grace
+        for pid in sorted(before):
+            try:
+                self.to_kill.append((due, pid, procs.process(pid).argv))
+            except (OSError, ValueError, IndexError):
+                continue  # already gone
+        self.events.append((time.monotonic(), f"reloaded: {model}"))
+        self.log(f"reloader: '{model}' is serving again from new stubs after "
+                 f"{time.monotonic() - started:.1f} s; the replaced copy's live stubs "
+                 f"{sorted(before)} stop in {self.retire_grace:.0f} s")
+        return True
+
+    def kill_due(self, now: float | None = None) -> list[int]:
+        """SIGKILL retired live stubs whose grace has passed, if they are still those stubs (same
+        argv, still the server's children, not zombies)."""
+        now = time.monotonic() if now is None else now
+        due = [(pid, argv) for t, pid, argv in self.to_kill if t <= now]
+        self.to_kill = [entry for entry in self.to_kill if entry[0] > now]
+        killed = []
+        for pid, argv in due:
+            try:
+                process = procs.process(pid)
+            except (OSError, ValueError, IndexError):
+                continue  # gone
+            if (not process.is_stub or process.state == "Z" or process.ppid != self.server_pid
+                    or process.argv != argv):
+                continue
+            try:
+                os.kill(pid, signal.SIGKILL)
+                killed.append(pid)
+            except OSError:
+                continue
+        return killed
+
+
+def liveness_stubs(server_pid: int | None) -> dict[str, list[int]]:
+    """Model -> pids of the server's live (not zombie) stubs."""
+    found: dict[str, list[int]] = {}
+    if server_pid is None:
+        return found
+    for stub in liveness.stubs_of(server_pid):
+        if stub.state != "Z" and stub.instance:
+            found.setdefault(liveness.model_of(stub.instance), []).append(stub.pid)
+    return found
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The container's watcher: reload models of the one tritonserver here whose stubs die."""
+    parser = argparse.ArgumentParser(
+        prog="python3 -m tritonlocal.reload",
+        description="Watch the tritonserver of this PID namespace and reload, through its "
+                    "repository API, any model whose python-backend stub died.")
+    parser.add_argument("--url", default=os.environ.get("TRITON_HTTP_URL", "localhost:8000"))
+    parser.add_argument("--header", default=os.environ.get("TRITONLOCAL_ADMIN_HEADER")
+                        or os.environ.get("TRITONLOCAL_RELOAD_TOKEN"), metavar="NAME=VALUE",
+                        help="the header the repository API answers (default "
+                             "$TRITONLOCAL_ADMIN_HEADER, else $TRITONLOCAL_RELOAD_TOKEN)")
+    parser.add_argument("--interval", type=float, default=0.5,
+                        help="seconds between checks (default 0.5; ~3.5 ms of CPU each)")
+    parser.add_argument("--max-reloads", type=int, default=5)
+    parser.add_argument("--window", type=float, default=600.0)
+    parser.add_argument("--retire-grace", type=float, default=15.0)
+    args = parser.parse_args(argv)
+    if not args.header or "=" not in args.header:
+        parser.error("the repository API's header is needed (--header NAME=VALUE)")
+    name, value = args.header.split("=", 1)
+    reloader = Reloader(args.url, {name: value}, args.interval, args.max_reloads, args.window,
+                        args.retire_grace, log=lambda line: print(line, file=sys.stderr, flush=True))
+    stop = False
+
+    def finish(signum, frame):
+        nonlocal stop
+        stop = True
+
+    signal.signal(signal.SIGTERM, finish)
+    signal.signal(signal.SIGINT, finish)
+    try:
+        while not stop:
+            time.sleep(args.interval)
+            servers = liveness.server_pids()
+            if len(servers) != 1:
+                continue  # starting, stopping, or not ours to choose between
+            reloader.attach(servers[0])
+            try:
+                report = liveness.check(args.url, servers[0], headers={name: value},
+                                        retired=reloader.retired)
+            except liveness.CheckError:
+                continue
+            if report.live:
+                reloader.handle(report)
+    finally:
+        reloader.forget()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
