@@ -164,6 +164,14 @@ def _get(url: str, path: str, timeout: float, headers: dict[str, str]) -> tuple[
         return error.code, error.read()
 
 
+def is_ready(url: str, timeout: float = 5.0, headers: dict[str, str] | None = None) -> bool:
+    """Does Triton's ``/v2/health/ready`` answer 200?"""
+    try:
+        return _get(url, "/v2/health/ready", timeout, headers or {})[0] == 200
+    except (urllib.error.URLError, OSError):
+        return False
+
+
 def instance_names(config: dict) -> list[str]:
     """The instances Triton creates for a (normalised) model config: ``<group name>_<index>``,
     ``count`` per group, times the number of GPUs for a KIND_GPU group."""
@@ -219,12 +227,14 @@ def check(url: str, server_pid: int | None = None, stub_backends=STUB_BACKENDS,
         notes.append(f"/v2/health/live: {error}")
     live = status == 200
     retired = set(retired or ())
-    if state is not None and state.server_pid == server_pid:
+    if state is not None and not state.belongs_to(server_pid):
+        state = None  # another server's, which had this pid
+    if state is not None:
         retired |= set(state.retired)
     stubs = [s for s in stubs_of(server_pid) if s.pid not in retired]
     report = Report(server_pid=server_pid, live=live, notes=notes,
                     zombies=[s.pid for s in stubs if s.state == "Z"])
-    if state is not None and state.server_pid == server_pid:
+    if state is not None:
         report.watched = state.fresh()
         report.reloading = sorted(state.reloading)
         report.failed = dict(state.failed)
@@ -232,10 +242,7 @@ def check(url: str, server_pid: int | None = None, stub_backends=STUB_BACKENDS,
             report.notes.append(f"the reloader's state is {time.time() - state.updated:.0f} s old: "
                                 "nobody is reloading dead stubs")
     if ready and live:
-        try:
-            report.ready = _get(url, "/v2/health/ready", timeout, headers or {})[0] == 200
-        except (urllib.error.URLError, OSError):
-            report.ready = False
+        report.ready = is_ready(url, timeout, headers)
     running = {s.instance for s in stubs if s.state != "Z" and s.instance}
     if live:
         try:

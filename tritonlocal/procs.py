@@ -109,6 +109,15 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
 
 
+def start_ticks(pid: int) -> int | None:
+    """When a process started, in clock ticks since boot (/proc/<pid>/stat field 22): with its
+    pid, what tells a process from a later one that got the same pid. None if it is gone."""
+    try:
+        return int((PROC / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 def memory_mib(pid: int) -> dict[str, float]:
     """The ``kB`` fields of /proc/<pid>/status in MiB (``VmRSS``, ``RssAnon``, ...); empty if the
     process is gone."""

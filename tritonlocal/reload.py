@@ -63,6 +63,8 @@ class State:
     """What the probes need from the reloader. ``updated``: wall-clock time of the last check
     (a state older than ``stale_after`` seconds means no reloader is watching)."""
     server_pid: int
+    server_start: int | None = None   # procs.start_ticks(server_pid): the same server, not a
+    #                                   later process with its pid (a container's pid 1)
     updated: float = 0.0
     interval: float = 1.0
     reloading: list[str] = field(default_factory=list)   # models being reloaded now
@@ -74,11 +76,16 @@ class State:
     def stale_after(self) -> float:
         return 3 * self.interval + 5.0
 
+    def belongs_to(self, server_pid: int) -> bool:
+        """Is this the state of the tritonserver running now as ``server_pid``?"""
+        return self.server_pid == server_pid and self.server_start == procs.start_ticks(server_pid)
+
     def fresh(self, now: float | None = None) -> bool:
         return (now if now is not None else time.time()) - self.updated <= self.stale_after
 
     def write(self, path: Path) -> None:
-        body = {"version": STATE_VERSION, "server_pid": self.server_pid, "updated": self.updated,
+        body = {"version": STATE_VERSION, "server_pid": self.server_pid,
+                "server_start": self.server_start, "updated": self.updated,
                 "interval": self.interval, "reloading": sorted(self.reloading),
                 "failed": self.failed, "retired": sorted(self.retired), "reloads": self.reloads}
         temporary = path.with_name(f".{path.name}.{os.getpid()}")
@@ -93,7 +100,8 @@ class State:
             return None
         if body.get("version") != STATE_VERSION:
             return None
-        return cls(server_pid=int(body["server_pid"]), updated=float(body["updated"]),
+        return cls(server_pid=int(body["server_pid"]), server_start=body.get("server_start"),
+                   updated=float(body["updated"]),
                    interval=float(body["interval"]), reloading=list(body["reloading"]),
                    failed=dict(body["failed"]), retired=[int(p) for p in body["retired"]],
                    reloads=dict(body.get("reloads", {})))
@@ -156,10 +164,10 @@ class Reloader:
     # -- state ----------------------------------------------------------------------------
     def attach(self, server_pid: int) -> None:
         """Watch tritonserver ``server_pid`` (a new server: what was retired or failed is gone)."""
-        if self.server_pid != server_pid:
+        if self.state is None or not self.state.belongs_to(server_pid):
             self.forget()
             self.server_pid = server_pid
-            self.state = State(server_pid, interval=self.interval)
+            self.state = State(server_pid, procs.start_ticks(server_pid), interval=self.interval)
             self.history.clear()
             self.to_kill.clear()
         self.publish()
@@ -295,6 +303,9 @@ def main(argv: list[str] | None = None) -> int:
                         or os.environ.get("TRITONLOCAL_RELOAD_TOKEN"), metavar="NAME=VALUE",
                         help="the header the repository API answers (default "
                              "$TRITONLOCAL_ADMIN_HEADER, else $TRITONLOCAL_RELOAD_TOKEN)")
+    parser.add_argument("--server-pid", type=int,
+                        help="the tritonserver to watch (default: the only one in this PID "
+                             "namespace, whichever it is at each check)")
     parser.add_argument("--interval", type=float, default=0.5,
                         help="seconds between checks (default 0.5; ~3.5 ms of CPU each)")
     parser.add_argument("--max-reloads", type=int, default=5)
@@ -314,16 +325,32 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, finish)
     signal.signal(signal.SIGINT, finish)
+    expected: tuple[State, dict[str, list[str]]] | None = None  # per server: reloads keep them
     try:
         while not stop:
             time.sleep(args.interval)
-            servers = liveness.server_pids()
+            if args.server_pid is not None:
+                if not procs.alive(args.server_pid):
+                    break  # that server is gone
+                servers = [args.server_pid]
+            else:
+                servers = liveness.server_pids()
             if len(servers) != 1:
                 continue  # starting, stopping, or not ours to choose between
             reloader.attach(servers[0])
+            if expected is None or expected[0] is not reloader.state:
+                # Only once the server is ready: before, not every model is loaded yet.
+                if not liveness.is_ready(args.url, headers={name: value}):
+                    continue
+                try:
+                    expected = (reloader.state, liveness.expected_instances(
+                        args.url, headers={name: value}))
+                except (liveness.CheckError, urllib.error.URLError, OSError, ValueError):
+                    expected = None  # not answering yet: the check says so
             try:
                 report = liveness.check(args.url, servers[0], headers={name: value},
-                                        retired=reloader.retired)
+                                        retired=reloader.retired,
+                                        expected=expected[1] if expected else None)
             except liveness.CheckError:
                 continue
             if report.live:

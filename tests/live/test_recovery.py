@@ -188,6 +188,46 @@ def test_the_probes_follow_the_reloader(fresh):
     supervisor.reloader.forget()
 
 
+def test_the_containers_watcher_reloads_a_model_whose_stub_died(fresh):
+    """`python3 -m tritonlocal.reload`, the process scripts/container-serve.sh starts beside the
+    container's tritonserver, against a real server: it reloads the model, the probes follow,
+    and it stops cleanly on SIGTERM, removing its state."""
+    (name, value), = fresh.repository_headers.items()
+    watcher = subprocess.Popen(
+        [sys.executable, "-m", "tritonlocal.reload", "--url", fresh.http_url, "--server-pid",
+         str(fresh.process.pid), "--header", f"{name}={value}", "--retire-grace", "1"],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    state = reload.state_path(fresh.process.pid)
+    try:
+        deadline = time.monotonic() + 30
+        while not state.exists():
+            assert watcher.poll() is None and time.monotonic() < deadline, watcher.stdout.read()
+            time.sleep(0.1)
+        assert probe(fresh).returncode == 0 and probe(fresh, "--ready").returncode == 0
+        victim = fresh.stub_pids("pipeline")[0]
+        killed_at = time.monotonic()
+        kill_and_wait_dead(victim)
+        while True:  # back: ready, and only new stubs (the replaced copy's retired after 1 s)
+            stubs = fresh.stub_pids("pipeline")
+            if (victim not in stubs and len(stubs) == S.PIPELINE.instance_count
+                    and probe(fresh, "--ready").returncode == 0):
+                break
+            assert time.monotonic() - killed_at < RECOVERY_LIMIT + 5, probe(fresh, "--ready").stdout
+            time.sleep(0.2)
+        assert probe(fresh).returncode == 0
+        client = grpcclient.InferenceServerClient(fresh.grpc_url)
+        try:
+            assert timed_infer(client, "grpc", "pipeline", image(4)).error is None
+        finally:
+            client.close()
+    finally:
+        watcher.send_signal(signal.SIGTERM)
+        output = watcher.communicate(timeout=30)[0]
+    assert watcher.returncode == 0, output
+    assert "reloading 'pipeline' alone" in output and "serving again" in output, output
+    assert not state.exists()
+
+
 def test_the_supervisor_restarts_a_server_that_died(fresh):
     supervisor = Supervisor(fresh, interval=0.5, restart_grace=5.0, log=lambda _: None)
     first = fresh.process.pid

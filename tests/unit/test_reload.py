@@ -167,9 +167,10 @@ def test_the_probe_ignores_what_the_reloader_retired(monkeypatch):
              liveness.Stub(31, "S", "pipeline_0_0"), liveness.Stub(32, "S", "pipeline_0_1")]
     monkeypatch.setattr(liveness, "stubs_of", lambda pid: stubs)
     monkeypatch.setattr(liveness.procs, "alive", lambda pid: True)
+    monkeypatch.setattr(liveness.procs, "start_ticks", lambda pid: 99)
     monkeypatch.setattr(liveness, "_get", lambda *a: (200, b""))
     expected = {"pipeline": ["pipeline_0_0", "pipeline_0_1"]}
-    state = reload.State(1, updated=time.time(), retired=[11, 12])
+    state = reload.State(1, 99, updated=time.time(), retired=[11, 12])
     report = liveness.check("x:1", 1, expected=expected, state=state)
     assert report.ok and report.zombies == [] and report.watched
     # Without the state, the zombie is dead.
@@ -186,3 +187,16 @@ def test_orchestrators_ignore_the_reload_marker():
                              reload.RELOAD_PARAMETER: {"string_value": "3-1.0"}}}
     assert params.string_parameters(config) == {"default_deadline_ms": "100"}
     assert reload.RELOAD_PARAMETER.startswith(params.RESERVED_PREFIX)
+
+
+def test_the_state_of_an_earlier_server_with_the_same_pid_is_ignored(monkeypatch):
+    """A container's tritonserver is pid 1 at every start: the state file names the server's
+    start time too."""
+    monkeypatch.setattr(liveness, "stubs_of", lambda pid: [liveness.Stub(11, "Z", None)])
+    monkeypatch.setattr(liveness.procs, "alive", lambda pid: True)
+    monkeypatch.setattr(liveness.procs, "start_ticks", lambda pid: 500)
+    monkeypatch.setattr(liveness, "_get", lambda *a: (200, b""))
+    earlier = reload.State(1, 99, updated=time.time(), retired=[11], failed={"pipeline": "x"})
+    report = liveness.check("x:1", 1, expected={}, state=earlier)
+    assert report.zombies == [11] and report.failed == {} and not report.watched
+    assert not earlier.belongs_to(1) and reload.State(1, 500).belongs_to(1)
