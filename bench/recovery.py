@@ -123,20 +123,25 @@ class Run:
 def kill_under_load(server: launcher.TritonServer, supervisor: launcher.Supervisor,
                     victim: str = "pipeline", before: float = 3.0, after: float = 5.0,
                     deadline: float = 3.0, grpc_clients: int = 2, http_clients: int = 1,
-                    wait_retired: bool = True) -> tuple[Run, dict[str, list[Answer]]]:
+                    wait_retired: bool = True, others_deadline: float | None = None
+                    ) -> tuple[Run, dict[str, list[Answer]]]:
     """Load every model of MODELS, SIGKILL one stub of ``victim``, wait for the supervisor to
-    bring it back, and account for every request. Returns the run and the answers per model."""
+    bring it back, and account for every request. Every request has a client deadline of
+    ``deadline`` seconds, those to the other models ``others_deadline`` if given (a long one
+    tells an error from a busy host's slowness). Returns the run and the answers per model."""
     stop = threading.Event()
     answers: dict[str, list[Answer]] = {m: [] for m in MODELS}
     threads = []
     for model in MODELS:
         name, dtype, data = model_input(model)
-        threads.append(threading.Thread(target=lambda m=model, n=name, d=dtype, x=data: asyncio.run(
-            closed_loop(server.grpc_url, m, grpc_clients, x, stop, name=n, dtype=d,
-                        timeout_us=int(deadline * 1e6), retry_pause=0.05, answers=answers[m],
-                        client_timeout=deadline)), name=f"grpc-{model}"))
+        limit = deadline if model == victim or others_deadline is None else others_deadline
+        threads.append(threading.Thread(
+            target=lambda m=model, n=name, d=dtype, x=data, t=limit: asyncio.run(
+                closed_loop(server.grpc_url, m, grpc_clients, x, stop, name=n, dtype=d,
+                            timeout_us=int(t * 1e6), retry_pause=0.05, answers=answers[m],
+                            client_timeout=t)), name=f"grpc-{model}"))
         threads += [threading.Thread(target=http_loop, name=f"http-{model}-{i}",
-                                     args=(server.http_url, model, stop, deadline, answers[model], i))
+                                     args=(server.http_url, model, stop, limit, answers[model], i))
                     for i in range(http_clients)]
     for thread in threads:
         thread.start()
@@ -161,7 +166,7 @@ def kill_under_load(server: launcher.TritonServer, supervisor: launcher.Supervis
     finally:
         stop.set()
         for thread in threads:
-            thread.join(deadline + 30)
+            thread.join(max(deadline, others_deadline or 0) + 30)
     events = [(t, f"reloader: {what}") for t, what in supervisor.reloader.events] + \
              [(t, f"supervisor: {what}") for t, what in supervisor.events]
     run.events = [f"{t - killed_at:+.2f} s {what}" for t, what in sorted(events) if t >= killed_at - 1]
