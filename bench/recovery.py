@@ -46,7 +46,7 @@ from pathlib import Path
 import numpy as np
 
 from bls_models import spec as S
-from tritonlocal import launcher
+from tritonlocal import launcher, procs
 from tritonlocal.load import Answer, closed_loop
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -149,8 +149,6 @@ def kill_under_load(server: launcher.TritonServer, supervisor: launcher.Supervis
         time.sleep(before)
         stubs_before = set(server.stub_pids(victim))
         victim_pid = min(stubs_before)
-        from tritonlocal import procs
-
         instance = procs.process(victim_pid).stub.instance
         killed_at = time.monotonic()
         os.kill(victim_pid, signal.SIGKILL)

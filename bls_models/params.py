@@ -145,7 +145,7 @@ _COMMON_NAMES = {p.name for p in COMMON}
 
 
 # Parameters the serving side adds to a config and the orchestrator ignores: the supervisor's
-# in-process reload (tritonlocal.launcher.reload_model) marks the config it loads with
+# in-process reload (tritonlocal.reload.reload_model) marks the config it loads with
 # "tritonlocal.reload", the one change that makes Triton replace every instance of a model.
 RESERVED_PREFIX = "tritonlocal."
 

@@ -154,11 +154,11 @@ def missing_model_files(repository: Path) -> list[Path]:
     directory with a config.pbtxt for the onnxruntime backend, its model file
     (``default_model_filename``, else model.onnx) in every version directory (``1/`` when there
     is none)."""
-    from bls_models.repository import parse_config
+    from bls_models.repository import load_config
 
     missing = []
     for config_path in sorted(repository.glob("*/config.pbtxt")):
-        config = parse_config(config_path.read_text())
+        config = load_config(config_path)
         if config.backend != "onnxruntime" and config.platform != "onnxruntime_onnx":
             continue
         name = config.default_model_filename or "model.onnx"

@@ -58,7 +58,7 @@ if [ "${1:-}" = --print-repository ]; then
   exit 0
 fi
 if [ -z "${TRITONLOCAL_ADMIN_HEADER:-}" ] && [ -z "${TRITONLOCAL_RELOAD_TOKEN:-}" ]; then
-  TRITONLOCAL_RELOAD_TOKEN="triton-reload-token=$(python3 -c 'import secrets; print(secrets.token_hex(16))')"
+  TRITONLOCAL_RELOAD_TOKEN="$(python3 -c 'from tritonlocal import flags; print("=".join(flags.new_token()))')"
 fi
 export TRITONLOCAL_RELOAD_TOKEN="${TRITONLOCAL_RELOAD_TOKEN:-}"
 mapfile -t flags < <(python3 -m tritonlocal.flags --model-repository "$repo")

@@ -277,8 +277,7 @@ class TritonServer:
         """The HTTP header the repository API answers (the admin header, else the token)."""
         return dict([self.options.admin_header or self.token])
 
-    def liveness(self, timeout: float = 5.0, retired: set[int] | None = None,
-                 state=None) -> liveness.Report:
+    def liveness(self, timeout: float = 5.0, retired: set[int] | None = None) -> liveness.Report:
         """Is the server live with every stub running? (``tritonlocal.liveness.check``)
 
         The instances each model should have are read from the server once per server process:
@@ -295,7 +294,7 @@ class TritonServer:
                 self._expected = None  # not answering yet: check() reports it, and asks again
         expected = self._expected[1] if self._expected else None
         return liveness.check(self.http_url, pid, timeout=timeout, headers=headers,
-                              expected=expected, retired=retired, state=state)
+                              expected=expected, retired=retired)
 
     def log_tail(self, lines: int = 40) -> str:
         if self.log_file is None or not self.log_file.exists():
@@ -420,13 +419,12 @@ class Supervisor:
             code = None if process is None else process.returncode
             return f"tritonserver is not running (exit code {code})"
         reloader = self.reloader
-        reloader.attach(process.pid)
+        reloader.attach(process.pid)  # publishes the state: fresh at every check
         reloader.headers = self.server.repository_headers  # a new token per server process
         reloader.kill_due()
         report = self.server.liveness(retired=reloader.retired)
         if not report.live:
             self._unresponsive += 1
-            reloader.publish()
             if self._unresponsive >= self.unresponsive_checks:
                 return report.summary() + f" ({self._unresponsive} checks in a row)"
             return None
@@ -437,7 +435,6 @@ class Supervisor:
                 return (f"{report.summary()}; reloading {', '.join(not_back)} failed "
                         f"({reloader.events[-1][1]})")
             return None
-        reloader.publish()
         if report.zombies:  # dead stubs of no known instance: the old way, a restart
             return report.summary()
         return None

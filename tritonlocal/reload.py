@@ -152,7 +152,6 @@ class Reloader:
         self.retire_grace = retire_grace
         self.state_dir = state_dir
         self.log = log
-        self.server_pid: int | None = None
         self.state: State | None = None
         self.history: dict[str, list[float]] = {}   # model -> monotonic times of its reloads
         # (monotonic due time, pid, argv) of the replaced copies' live stubs: the argv (which
@@ -162,11 +161,15 @@ class Reloader:
         self.events: list[tuple[float, str]] = []
 
     # -- state ----------------------------------------------------------------------------
+    @property
+    def server_pid(self) -> int | None:
+        return self.state.server_pid if self.state else None
+
     def attach(self, server_pid: int) -> None:
-        """Watch tritonserver ``server_pid`` (a new server: what was retired or failed is gone)."""
+        """Watch tritonserver ``server_pid`` (a new server: what was retired or failed is gone),
+        and publish the state: once per check."""
         if self.state is None or not self.state.belongs_to(server_pid):
             self.forget()
-            self.server_pid = server_pid
             self.state = State(server_pid, procs.start_ticks(server_pid), interval=self.interval)
             self.history.clear()
             self.to_kill.clear()
@@ -174,9 +177,9 @@ class Reloader:
 
     def forget(self) -> None:
         """Remove the state file of the server watched so far."""
-        if self.server_pid is not None:
-            state_path(self.server_pid, self.state_dir).unlink(missing_ok=True)
-        self.server_pid, self.state = None, None
+        if self.state is not None:
+            state_path(self.state.server_pid, self.state_dir).unlink(missing_ok=True)
+        self.state = None
 
     def publish(self) -> None:
         if self.state is None:
@@ -199,7 +202,6 @@ class Reloader:
         not bring back this time (reload refused or failed; those given up on are in
         ``state.failed``)."""
         assert self.state is not None, "attach() first"
-        self.kill_due()
         failed_now = []
         for model in report.dead_models:
             if model in self.state.failed:
@@ -338,6 +340,7 @@ def main(argv: list[str] | None = None) -> int:
             if len(servers) != 1:
                 continue  # starting, stopping, or not ours to choose between
             reloader.attach(servers[0])
+            reloader.kill_due()
             if expected is None or expected[0] is not reloader.state:
                 # Only once the server is ready: before, not every model is loaded yet.
                 if not liveness.is_ready(args.url, headers={name: value}):
