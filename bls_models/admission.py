@@ -29,6 +29,17 @@ class Admission:
         together, before any wait; returns those that wait in the queue. A job that finds no
         room waits for it until its deadline; ``expire(job)`` answers one whose deadline passed
         first."""
+        with self._room:  # the usual case: every job gets a slot
+            if not self.queue and self.running + len(jobs) <= self.max_inflight:
+                self.running += len(jobs)
+                for job in jobs:
+                    job.slot = True
+                fits = True
+            else:
+                fits = False
+        if fits:
+            start(jobs)
+            return []
         run, queued, waiting = [], [], deque(jobs)
         while waiting:
             with self._room:

@@ -100,9 +100,16 @@ class Answers:
         self._latency = key("bls_request_latency_seconds")
         self._codes = {code: key("bls_requests_total", code=code) for code in REQUEST_CODES}
 
-    def admitted(self, jobs) -> None:
+    def received(self, batch: Batch, jobs) -> None:
+        """``execute`` has read its batch: ``jobs`` (those not answered at once) are pending,
+        and ``batch.done`` now says whether any answer is owed (answers given while reading
+        counted down as they came)."""
         with self._lock:
             self.pending.update(jobs)
+            if batch.waiting > 0:
+                batch.unset()
+            else:
+                batch.set()
 
     def answer(self, job: Job, outputs: dict | None = None,
                error: PipelineError | None = None) -> bool:
@@ -125,11 +132,12 @@ class Answers:
         if not claimed:
             return 0
         now = time.monotonic()
-        increments, observations, finished = {}, [], []
+        increments: dict = {}
+        observations, finished = [], []
         try:
             for job, returning, rows in claimed:
-                code = self._give(job, returning, rows, error)
-                increments[self._codes[code]] = increments.get(self._codes[code], 0) + 1
+                key = self._codes[self._give(job, returning, rows, error)]
+                increments[key] = increments.get(key, 0) + 1
                 observations.append((self._latency, now - job.received))
                 job.inputs = {}
                 if returning:
@@ -138,7 +146,7 @@ class Answers:
             try:
                 self.metrics.record(increments=increments.items(), observations=observations)
                 self.on_answered([job for job, *_ in claimed])
-            finally:  # last: execute's thread, woken, waits for no more of this one's work
+            finally:  # last: execute's thread, once woken, waits for nothing of this one's
                 with self._lock:
                     for batch in finished:
                         batch.waiting -= 1
@@ -176,15 +184,6 @@ class Answers:
                 self.log(f"releasing the response of '{job.request_id}' failed:\n"
                          f"{traceback.format_exc()}", error=True)
         return code
-
-    def arm(self, batch: Batch) -> None:
-        """``execute`` has received its batch: ``done`` now says whether any answer is owed
-        (answers given while receiving counted down as they came)."""
-        with self._lock:
-            if batch.waiting > 0:
-                batch.unset()
-            else:
-                batch.set()
 
     def detach(self, jobs) -> list[Job]:
         """``execute`` stops waiting for ``jobs``: those not answered yet that have a response

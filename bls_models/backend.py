@@ -202,7 +202,7 @@ class Backend:
                         for device in devices.values():
                             device.release()
                         return None, f"the response has no output '{name}'"
-                    if name in keep and not tensor.is_cpu():
+                    if keep and name in keep and not tensor.is_cpu():
                         devices[name] = DeviceTensor(pb.Tensor.from_dlpack(name,
                                                                            tensor.to_dlpack()))
                     else:

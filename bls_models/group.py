@@ -33,7 +33,8 @@ class Group:
             for name in first.inputs}
         self.rows = sum(member.rows for member in members)
         self.ids = ",".join(member.request_id for member in members if member.request_id)
-        self.last = max(members, key=lambda member: member.deadline.end)  # the latest deadline
+        self.last = first if len(members) == 1 else max(  # the latest deadline
+            members, key=lambda member: member.deadline.end)
         self.lock = threading.Lock()  # the flow is stepped, and finished, by one thread at a time
         self.flow = None
         self.out: dict = {}           # its sub-requests out now, oldest first
@@ -90,6 +91,8 @@ class Group:
 def form(jobs: list, max_rows: int, first_stage: str) -> list[Group]:
     """``jobs`` (in arrival order) as groups of equal key, each of at most ``max_rows`` rows (a
     request larger than that is a group of its own)."""
+    if len(jobs) == 1:
+        return [Group(jobs, first_stage)]
     open_groups: dict[tuple, tuple[list, int]] = {}
     groups = []
     for job in jobs:

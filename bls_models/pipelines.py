@@ -85,10 +85,13 @@ async def image_pipeline(inputs: dict[str, np.ndarray], call: SubModelCall,
     """IMAGE -> preprocess -> (classifier || embedder) -> CLASS_IDS, CLASS_PROBS, EMBEDDING."""
     pixels = (await call("preprocess", {S.IMAGE.name: inputs[S.IMAGE.name]},
                          [S.PIXELS.name]))[S.PIXELS.name]
-    classified, embedded = await gather_all(
-        call("classifier", {S.PIXELS.name: pixels}, [S.CLASS_LOGITS.name]),
-        call("embedder", {S.PIXELS.name: pixels}, [S.EMBEDDING.name]))
-    ids, probs = softmax_top_k(classified[S.CLASS_LOGITS.name])
+
+    async def classify():  # top-5 while the embedder runs
+        logits = await call("classifier", {S.PIXELS.name: pixels}, [S.CLASS_LOGITS.name])
+        return softmax_top_k(logits[S.CLASS_LOGITS.name])
+
+    (ids, probs), embedded = await gather_all(
+        classify(), call("embedder", {S.PIXELS.name: pixels}, [S.EMBEDDING.name]))
     return {S.CLASS_IDS.name: ids, S.CLASS_PROBS.name: probs,
             S.EMBEDDING.name: embedded[S.EMBEDDING.name]}
 

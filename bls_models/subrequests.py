@@ -65,9 +65,10 @@ class SubRequests:
         rows = next((len(v) for v in sub.inputs.values() if not isinstance(v, DeviceTensor)),
                     group.rows)
         self.out.add(sub)
+        inputs, sub.inputs = sub.inputs, None  # sent: not kept beyond this call
         try:
             outputs, message = self.backend.infer(
-                model, sub.inputs, sub.outputs, group.ids, max(1, int(left * 1e6)),
+                model, inputs, sub.outputs, group.ids, max(1, int(left * 1e6)),
                 self.keep.get(stage, frozenset()) if self.config.gpu_tensors else frozenset(),
                 sub.reduce)
         except Finalized:

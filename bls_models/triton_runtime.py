@@ -144,10 +144,9 @@ class Orchestrator:
         try:
             for request in requests:
                 jobs.append(self._receive(request, arrived, batch))
-            self.answers.arm(batch)
             ready = [job for job in jobs if not job.answered]
+            self.answers.received(batch, ready)
             if ready:
-                self.answers.admitted(ready)
                 queued = self.admission.take(ready, self._start, self._expire)
                 self._detach(queued)  # no answer can come before a slot does
                 # At capacity, requests wait behind this batch: execute must not hold them.
@@ -160,7 +159,7 @@ class Orchestrator:
                 batch.waiting += 1
                 jobs.append(job)
                 self.answers.answer(job, error=internal_error(self.model))
-            self.answers.arm(batch)
+            self.answers.received(batch, [])
             self._detach(jobs)
         if not batch.wait(ANSWER_BUILT_SECONDS):
             self.log("an answer being built did not come", error=True)
@@ -437,6 +436,7 @@ class Orchestrator:
         answered. Never raises."""
         self.hold.observe(time.monotonic() - group.started)
         result, error = group.flow.result, group.flow.error
+        group.flow = None
         bug = error is not None and not isinstance(error, PipelineError)
         try:
             if bug:
@@ -449,8 +449,8 @@ class Orchestrator:
                     self.log(f"the outputs of group '{group.ids}' could not be split:\n"
                              f"{traceback.format_exc()}", error=True)
                     error, bug = internal_error(self.model), True
-                else:
-                    self._free(group)  # before the answers wake execute's thread
+                else:  # the answers last: they wake execute's thread
+                    self._free(group)
                     self.budget.earn(len(group.live()))
                     self.answers.answer_each(group.members, parts)
                     return
