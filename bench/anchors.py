@@ -16,6 +16,8 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+import statistics
+
 from bls_models import spec as S
 from bls_models.pipelines import softmax_top_k
 from modelgen import configs
@@ -73,3 +75,44 @@ def write_minimal(target: Path, pipeline_config: Path) -> None:
     (target / "pipeline_minimal" / "config.pbtxt").write_text(
         pipeline_config.read_text().replace('name: "pipeline"', 'name: "pipeline_minimal"', 1))
     (target / "pipeline_minimal" / "1" / "model.py").write_text(MINIMAL.read_text())
+
+
+def side_by_side(server, models: dict[str, str], rounds: int, levels=(16, 64),
+                 seconds: float = 8.0) -> dict[str, dict[str, list[float]]]:
+    """The figures the anchor targets are about, for each of ``models`` (key -> model), in
+    ``rounds`` interleaved rounds (the order reversed every other round: this host's speed moves
+    by tens of percent within minutes): p50 at concurrency 1 (µs, perf_analyzer), and at each of
+    ``levels`` the throughput (req/s) and, at the first, the model's stubs' CPU per request (ms).
+    Returns key -> figure -> one value per round."""
+    from bench import batching_delay, profile
+
+    out = {key: {"p50_c1_us": [], **{f"rps_c{c}": [] for c in levels}, "stub_cpu_ms": []}
+           for key in models}
+    for index in range(rounds):
+        order = list(models.items()) if index % 2 == 0 else list(models.items())[::-1]
+        for key, model in order:
+            p50 = batching_delay.p50_at_1(server, model)
+            if p50 is not None:
+                out[key]["p50_c1_us"].append(p50)
+            for level in levels:
+                load = profile.drive(server, model, level, seconds, warmup=3.0)
+                out[key][f"rps_c{level}"].append(load.requests / load.seconds)
+                if level == levels[0]:
+                    out[key]["stub_cpu_ms"].append(
+                        load.cpu_ms_per_request().get(f"{model} stubs", 0.0))
+    return out
+
+
+def paired(figures: dict, key: str, base: str, figure: str, difference: bool = False
+           ) -> list[float]:
+    """Round by round, ``key``'s figure over (or minus) ``base``'s."""
+    return [a - b if difference else a / b
+            for a, b in zip(figures[key][figure], figures[base][figure]) if b]
+
+
+def summary(values: list[float], digits: int = 2) -> str:
+    """``median (min–max)`` of ``values``."""
+    if not values:
+        return "not measured"
+    return (f"{statistics.median(values):.{digits}f} ({min(values):.{digits}f}–"
+            f"{max(values):.{digits}f})")

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import shutil
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -43,6 +44,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SIZE = "fast"
 LEVELS = (1, 2, 4, 8, 16, 32, 64)
 ACCOUNTING_CONCURRENCY = 16
+ROUNDS = 5                  # interleaved rounds of the anchor comparison
 HOP_REQUESTS = 400          # sequential requests per single-model latency (concurrency 1)
 STAGES = (S.PREPROCESS, S.CLASSIFIER, S.EMBEDDER)
 TARGETS = {  # issue 27
@@ -126,7 +128,7 @@ def overhead(ctx) -> object:
 
 
 def measure(ctx, result, server: TritonServer, repository: Path | None, levels: list[int],
-            seconds: float) -> None:
+            seconds: float, rounds: int = ROUNDS) -> None:
     """The experiment against ``server``. ``repository``: where the ONNX files are for the
     in-process comparison on this CPU; None on a GPU host (``make gpu-check``), where the models
     run on the GPU and an in-process CPU run compares nothing."""
@@ -158,29 +160,48 @@ def measure(ctx, result, server: TritonServer, repository: Path | None, levels: 
     ]
     result.summary += hops(ctx, result, url, local, one)
     result.summary += cpu(ctx, result, server, local, image)
-    ratio = {c: (_at(ways["bls"], c).throughput / _at(ways["minimal"], c).throughput
-                 if _at(ways["bls"], c) and _at(ways["minimal"], c) else None)
-             for c in (16, 64)}
-    over = one["bls"].p50_ms - one["minimal"].p50_ms if one["bls"] and one["minimal"] else None
-    stubs = result.data.get("stub_cpu_ms", {})
-    stub_ratio = (stubs["bls"] / stubs["minimal"] if stubs.get("bls") and stubs.get("minimal")
-                  else None)
+    rounds = 1 if ctx.quick else rounds
+    figures = anchors.side_by_side(server, {"bls": "pipeline", "minimal": "pipeline_minimal"},
+                                   rounds, levels=(16, 64) if not ctx.quick else (4,),
+                                   seconds=2.0 if ctx.quick else 8.0)
+    levels_ = (16, 64) if not ctx.quick else (4,)
+    ratio = {c: anchors.paired(figures, "bls", "minimal", f"rps_c{c}") for c in levels_}
+    over = [d / 1000 for d in anchors.paired(figures, "bls", "minimal", "p50_c1_us", True)]
+    stub = anchors.paired(figures, "bls", "minimal", "stub_cpu_ms")
     ensemble = (best["bls"].throughput / best["ensemble"].throughput
                 if best["bls"] and best["ensemble"] else None)
+    med = lambda values: statistics.median(values) if values else None  # noqa: E731
     result.summary += [
-        "", "Targets (issue 27; ratios to the anchor, measured beside it):", "",
-        *[_verdict(f"`pipeline` / minimal per-batch, throughput at concurrency {c}", ratio[c],
-                   TARGETS["throughput"], True) for c in (16, 64)],
-        _verdict("`pipeline` − minimal per-batch, p50 at concurrency 1", over,
+        "", f"Targets (issue 27): `pipeline` against the anchor in {rounds} interleaved "
+        "round(s) (order reversed every other round), per round: p50 at concurrency 1 "
+        "(perf_analyzer), then 8 s at concurrency 16 (throughput, stub CPU per request) and "
+        "64 (throughput); median of the rounds' ratios (range):", "",
+        "| figure | `pipeline` | minimal per-batch | ratio or difference |", "|---|---|---|---|",
+        *[f"| {label} | {anchors.summary(figures['bls'][k], d)} | "
+          f"{anchors.summary(figures['minimal'][k], d)} | {anchors.summary(v, 2)} |"
+          for label, k, d, v in (
+              ("p50 at concurrency 1 (µs)", "p50_c1_us", 0, over),
+              *[(f"req/s at concurrency {c}", f"rps_c{c}", 0, ratio[c]) for c in levels_],
+              ("stub CPU ms per request at the first level", "stub_cpu_ms", 3, stub))],
+        "",
+        *[_verdict(f"`pipeline` / minimal per-batch, throughput at concurrency {c}",
+                   med(ratio[c]), TARGETS["throughput"], True) for c in levels_],
+        _verdict("`pipeline` − minimal per-batch, p50 at concurrency 1", med(over),
                  TARGETS["p50_over_ms"], False, " ms"),
-        _verdict("`pipeline` / minimal per-batch, stub CPU per request at concurrency "
-                 f"{result.data.get('accounting_concurrency')}", stub_ratio, TARGETS["stub_cpu"],
-                 False),
-        _verdict("`pipeline` / ensemble, best throughput (three hops: floor ≈ 0.66)", ensemble,
-                 TARGETS["ensemble"], True),
+        _verdict("`pipeline` / minimal per-batch, stub CPU per request", med(stub),
+                 TARGETS["stub_cpu"], False),
+        _verdict("`pipeline` / ensemble, best throughput of the sweep (three hops: floor "
+                 "≈ 0.66)", ensemble, TARGETS["ensemble"], True),
     ]
-    result.data.update({"throughput_ratio_c16": ratio[16], "throughput_ratio_c64": ratio[64],
-                        "p50_over_anchor_ms": over, "stub_cpu_ratio": stub_ratio,
+    for key, values in figures.items():
+        for figure, per_round in values.items():
+            for index, value in enumerate(per_round):
+                result.rows.append({"experiment": result.name, "variant": f"anchor: {key}",
+                                    "scenario": "targets", "figure": figure,
+                                    "round": index + 1, "value": round(value, 3)})
+    result.data.update({"anchor_rounds": figures,
+                        "throughput_ratio": {c: med(r) for c, r in ratio.items()},
+                        "p50_over_anchor_ms": med(over), "stub_cpu_ratio": med(stub),
                         "ensemble_ratio": ensemble,
                         "best": {k: p.throughput for k, p in best.items() if p},
                         "p50_c1_ms": {k: p.p50_ms for k, p in one.items() if p}})
