@@ -74,8 +74,9 @@ GPU_TENSORS = Param(
     "([production.md](production.md#gpu-tensors-between-stages-gpu_tensors)); accepted only by "
     "pipelines with such outputs", choices=("off", "on"), listed=False)
 
-# How long execute waits for its batch's answers: HOLD_FACTOR times the median time of the
-# instance's recent batches, at least HOLD_FLOOR_MS (FIRST_HOLD_MS until it has seen a few), at
+# How long execute waits for its batch's answers: HOLD_FACTOR times the time a batch of its rows
+# is expected to take (the instance's recent batches' median time, or their median time per row
+# times its rows if longer), at least HOLD_FLOOR_MS (FIRST_HOLD_MS until it has seen a few), at
 # most return_within_ms. A batch slower than that is abnormal: its answers go through response
 # senders.
 HOLD_FACTOR = 4
@@ -84,7 +85,8 @@ FIRST_HOLD_MS = 100
 RETURN_WITHIN = Param(
     "return_within_ms", "1000",
     "the longest `execute` waits for its batch's answers: it waits up to "
-    f"{HOLD_FACTOR} times the recent batches' median time (at least {HOLD_FLOOR_MS} ms), never "
+    f"{HOLD_FACTOR} times the time the recent batches say a batch of its rows takes (at least "
+    f"{HOLD_FLOOR_MS} ms), never "
     "longer than this, and returns those ready in one message; any other is answered through "
     "its response sender when it finishes. 0: every answer through its sender "
     "([orchestrator.md](orchestrator.md#one-request-from-execute-to-its-answer))",

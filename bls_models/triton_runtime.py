@@ -46,22 +46,32 @@ HOLD_WINDOW = 64                # recent batches the hold is computed from
 
 
 class Hold:
-    """How long ``execute`` waits for its batch's answers (params.HOLD_FACTOR)."""
+    """How long ``execute`` waits for a batch's answers: ``params.HOLD_FACTOR`` times the time a
+    batch of its rows is expected to take — the recent batches' median time, or their median time
+    per row times its rows if that is longer (a batch of 8 rows over CPU models takes several
+    times a batch of 1) — at least ``HOLD_FLOOR_MS``, at most ``return_within_ms``."""
 
     def __init__(self, cap_ms: int) -> None:
         self.cap = cap_ms / 1e3
         self.durations: deque[float] = deque(maxlen=HOLD_WINDOW)
-        self.seconds = min(self.cap, params.FIRST_HOLD_MS / 1e3)
+        self.per_row: deque[float] = deque(maxlen=HOLD_WINDOW)
+        self.median: float | None = None
+        self.median_per_row = 0.0
         self._seen = 0
 
-    def observe(self, seconds: float) -> None:
+    def observe(self, seconds: float, rows: int) -> None:
         self.durations.append(seconds)
+        self.per_row.append(seconds / max(rows, 1))
         self._seen += 1
         if self._seen % 8 == 0:
-            ordered = sorted(self.durations)
-            median = ordered[len(ordered) // 2]
-            self.seconds = min(self.cap, max(params.HOLD_FLOOR_MS / 1e3,
-                                             params.HOLD_FACTOR * median))
+            self.median = sorted(self.durations)[len(self.durations) // 2]
+            self.median_per_row = sorted(self.per_row)[len(self.per_row) // 2]
+
+    def seconds(self, rows: int) -> float:
+        if self.median is None:
+            return min(self.cap, params.FIRST_HOLD_MS / 1e3)
+        expected = max(self.median, self.median_per_row * rows)
+        return min(self.cap, max(params.HOLD_FLOOR_MS / 1e3, params.HOLD_FACTOR * expected))
 
 
 class Orchestrator:
@@ -150,7 +160,8 @@ class Orchestrator:
                 queued = self.admission.take(ready, self._start, self._expire)
                 self._detach(queued)  # no answer can come before a slot does
                 # At capacity, requests wait behind this batch: execute must not hold them.
-                hold = 0.0 if self.admission.full() else self.hold.seconds
+                hold = (0.0 if self.admission.full()
+                        else self.hold.seconds(sum(job.rows for job in ready)))
                 self._wait(batch, ready, arrived + hold)
         except BaseException:  # noqa: BLE001 - execute must not raise (python_be.cc deletes every factory)
             self.log(f"execute failed:\n{traceback.format_exc()}", error=True)
@@ -434,7 +445,7 @@ class Orchestrator:
     def _finish(self, group) -> None:
         """The flow is done: each member answered from its rows, or the failure isolated or
         answered. Never raises."""
-        self.hold.observe(time.monotonic() - group.started)
+        self.hold.observe(time.monotonic() - group.started, group.rows)
         result, error = group.flow.result, group.flow.error
         group.flow = None
         bug = error is not None and not isinstance(error, PipelineError)

@@ -54,17 +54,35 @@ def test_a_slow_group_goes_through_its_senders_and_does_not_hold_execute(fake, m
 
 
 def test_the_hold_follows_the_recent_batches(fake, made):
-    """Until it has seen a few batches execute waits up to FIRST_HOLD_MS; then a few times the
-    recent batches' median (at least the floor), never more than return_within_ms."""
+    """Until it has seen a few batches execute waits up to FIRST_HOLD_MS; then a few times what
+    a batch of its rows is expected to take — the recent batches' median, or their median per
+    row times its rows if longer — at least the floor, never more than return_within_ms."""
     made.append(orch := orchestrator(fake, return_within_ms="500"))
-    assert orch.hold.seconds == params.FIRST_HOLD_MS / 1e3
+    assert orch.hold.seconds(1) == params.FIRST_HOLD_MS / 1e3
     for i in range(16):
         fake.execute(orch, [Request(image_of(20 + i), request_id="preprocess=10")])
     median = sorted(orch.hold.durations)[len(orch.hold.durations) // 2]
     assert median >= 0.01
-    assert orch.hold.seconds == pytest.approx(
-        min(0.5, max(params.HOLD_FLOOR_MS / 1e3, params.HOLD_FACTOR * median)))
-    assert orch.hold.seconds < 0.5
+    one = min(0.5, max(params.HOLD_FLOOR_MS / 1e3, params.HOLD_FACTOR * median))
+    assert orch.hold.seconds(1) == pytest.approx(one)
+    assert orch.hold.seconds(1) < 0.5
+    # Batches of one row: a batch of 8 rows is expected to take 8 times as long.
+    assert orch.hold.seconds(8) == pytest.approx(min(0.5, 8 * one))
+
+
+def test_a_larger_batch_is_held_for_its_rows_not_detached(fake, made):
+    """Over sub-models whose time grows with the rows (CPU models), a batch of 8 rows after
+    batches of 1 is held for its expected time, not sent: answered from execute's list."""
+    made.append(orch := orchestrator(fake, return_within_ms="1000"))
+    for i in range(16):
+        fake.execute(orch, [Request(image_of(20 + i), request_id="preprocess=10")])
+    batch = [Request(image_of(40 + i), request_id="preprocess=10;classifier=40")
+             for i in range(8)]
+    fake.execute(orch, batch)
+    wait_answered(batch)
+    for request, value in zip(batch, range(40, 48)):
+        assert request.returned is not None and request.sender.attempts == 0, request
+        assert exact(request.returned, value)
 
 
 def test_an_answer_at_the_end_of_the_hold_is_given_once_one_way_or_the_other(fake, made):
