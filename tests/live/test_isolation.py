@@ -79,9 +79,10 @@ def test_poisoned_images_fail_alone_and_every_innocent_gets_its_own_rows(server,
                 assert "stage 'embedder'" in outcome.message(), outcome.message()
                 continue
             assert not isinstance(outcome, Exception), (round_, index, str(outcome))
-            # Its own rows: what the same image gets alone through the same models (the test
-            # embedder's MatMul may differ by a few float32 ulps with its batch's size).
+            # Its own rows: what the same image gets alone through the same models. The
+            # embedder's float32 MatMul sums in another order for another batch size (seen under
+            # a CPU hog: 1e-4 apart); another request's row would differ by ~0.1 or more.
             np.testing.assert_array_equal(outcome.as_numpy("CLASS_IDS"),
                                           alone[index].as_numpy("CLASS_IDS"))
             np.testing.assert_allclose(outcome.as_numpy("EMBEDDING"),
-                                       alone[index].as_numpy("EMBEDDING"), rtol=1e-5, atol=1e-5)
+                                       alone[index].as_numpy("EMBEDDING"), rtol=0, atol=1e-3)
