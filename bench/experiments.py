@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench import clients, designs, overhead, perf, profile
+from bench import anchors, clients, designs, overhead, perf, profile
 from bench.perf import Point
 from bls_models import pipelines
 from bls_models import spec as S
@@ -74,9 +74,6 @@ class Result:
 # -- variants the experiments need beside the committed repository ---------------------------------
 def variant_specs(repository: Path) -> list[tuple[S.ModelSpec, str]]:
     """(spec, base) pairs: base is the committed model whose code or ONNX file the variant uses."""
-    sequential = dataclasses.replace(S.PIPELINE, name="pipeline_sequential",
-                                     parameters={**S.PIPELINE.parameters, "fanout": "sequential",
-                                                 "stage_model_repositories": str(repository)})
     # perf_analyzer cannot give a request a timeout, so at 1 000 in flight it gets the default
     # deadline (10 s); this variant gives it the budget the project's clients set per request.
     budget = dataclasses.replace(S.PIPELINE, name=LONG_DEADLINE_PIPELINE,
@@ -95,16 +92,13 @@ def variant_specs(repository: Path) -> list[tuple[S.ModelSpec, str]]:
         parameters={**S.PIPELINE.parameters, "max_inflight_requests": "8",
                     "max_queued_requests": "0", "stage_model_repositories": str(repository)},
         batching=dataclasses.replace(S.PIPELINE.batching, max_queue_size=16))
-    return ([(sequential, "pipeline"), (budget, "pipeline"), (logits, "tag_pipeline"),
-             (shedding, "pipeline")]
-            + [(t, "tagger") for t in taggers]
-            + [(spec, "pipeline") for spec in coalescing_specs(repository).values()]
-            + [(d, "pipeline") for d in designs.design_specs(repository)])
+    return ([(budget, "pipeline"), (logits, "tag_pipeline"), (shedding, "pipeline")]
+            + [(t, "tagger") for t in taggers])
 
 
 def build_variants(target: Path, repository: Path) -> Path:
     """Fault models (the designs use them) and the benchmark variants, in ``target``."""
-    variants.build(target, repository, variants=variants.uncoalesced_variants(repository))
+    variants.build(target, repository, variants=())
     return write_variants(target, repository)
 
 
@@ -122,6 +116,16 @@ def write_variants(target: Path, repository: Path) -> Path:
             variants.write_onnx(target, spec, export.onnx_path(repository, S.model(base)))
         else:
             variants.write(target, spec)
+    # The runtime's measuring sticks (bench/anchors.py): the anchor, the sequential fan-out and
+    # the concurrency designs.
+    anchors.write(target, anchors.like_pipeline("pipeline_minimal",
+                                                stage_model_repositories=str(repository)),
+                  anchors.MINIMAL)
+    anchors.write(target, dataclasses.replace(
+        anchors.SEQUENTIAL.model_spec(), parameters={
+            **anchors.SEQUENTIAL.model_spec().parameters,
+            "stage_model_repositories": str(repository)}), anchors.SEQUENTIAL_MODEL_PY)
+    designs.write_designs(target, repository)
     return target
 
 
@@ -146,8 +150,13 @@ def _target(label: str, value: float | None, limit: float, better: str) -> str:
 
 
 # -- 1. cost of orchestration ---------------------------------------------------------------------
+# Issue 27's targets with the committed CNNs, each a ratio to the anchor measured in the same run.
+ANCHOR_TARGETS = {"throughput_c16": 0.97, "p50_c1_over_ms": 0.3}
+ANCHOR_ROUNDS = 5
+
+
 def orchestration(ctx: Context) -> Result:
-    result = Result("orchestration", "Cost of orchestration: the same work four ways")
+    result = Result("orchestration", "Cost of orchestration: the same work five ways")
     levels = [1, 4] if ctx.quick else [1, 2, 4, 8, 16, 32, 64]
     url = ctx.server.grpc_url
     local = clients.InProcess(ctx.repository)
@@ -160,253 +169,86 @@ def orchestration(ctx: Context) -> Result:
               for c in levels]
     for p in direct:
         result.add("client calls sub-models", p)
-    # `pipeline` as committed coalesces; `pipeline_uncoalesced` is the same with coalesce off.
-    bls = result.add_run("BLS pipeline, coalescing off", perf.run("pipeline_uncoalesced", url,
-                                                                  levels, ctx.settings))
-    coalesced_run, groups = run_with_groups(ctx, "pipeline", levels)
-    coalesced = result.add_run("BLS pipeline (coalescing)", coalesced_run)
-    ens = result.add_run("ensemble", perf.run("pipeline_ensemble", url, levels, ctx.settings))
-
-    ways = (("in-process", inproc), ("direct", direct), ("bls", bls), ("coalesced", coalesced),
-            ("ensemble", ens))
-    best = {name: _best(points) for name, points in ways}
-    tp = {k: (v.throughput if v else None) for k, v in best.items()}
-    one = {k: _at(points, 1) for k, points in ways}
-    c16 = {k: _at(points, 16) for k, points in (("coalesced", coalesced), ("ensemble", ens))}
+    # Side by side, level by level, so that a slow spell of this shared host hits each alike.
+    served = {"minimal": ("minimal per-batch BLS (anchor)", "pipeline_minimal"),
+              "bls": ("BLS `pipeline`", "pipeline"), "ensemble": ("ensemble", "pipeline_ensemble")}
+    runs = perf.interleaved({key: model for key, (_, model) in served.items()}, url, levels,
+                            ctx.settings)
+    points = {key: result.add_run(served[key][0], run) for key, run in runs.items()}
+    ways = {"in-process": inproc, "direct": direct, **points}
+    best = {name: _best(found) for name, found in ways.items()}
+    one = {name: _at(found, 1) for name, found in ways.items()}
+    c16 = {name: _at(found, 16) for name, found in ways.items()}
+    labels = {"in-process": "in-process onnxruntime", "direct": "client calls sub-models",
+              **{key: label for key, (label, _) in served.items()}}
     result.summary += [
-        "| way | best throughput (req/s) | at concurrency | p50 at concurrency 1 (ms) |",
-        "|---|---|---|---|",
-        *[f"| {label} | {best[k].throughput:.0f} | {best[k].concurrency} | "
-          f"{one[k].p50_ms:.2f} |" for k, label in
-          (("in-process", "in-process onnxruntime"), ("direct", "client calls sub-models"),
-           ("bls", "BLS `pipeline`, coalescing off"), ("coalesced", "BLS `pipeline` (coalescing)"),
-           ("ensemble", "`pipeline_ensemble`")) if best[k] and one[k]],
-        "",
-        _target("BLS `pipeline` (coalescing) / ensemble throughput (best concurrency)",
-                tp["coalesced"] / tp["ensemble"] if tp["coalesced"] and tp["ensemble"] else None,
-                1.0, "higher"),
-        _target("coalescing on / off, p50 at concurrency 1",
-                one["coalesced"].p50_ms / one["bls"].p50_ms
-                if one["coalesced"] and one["bls"] else None, 1.05, "lower"),
-        _target("BLS `pipeline` / in-process throughput (best concurrency)",
-                tp["coalesced"] / tp["in-process"] if tp["coalesced"] and tp["in-process"]
-                else None, 0.8, "higher"),
-        _target("BLS `pipeline` / ensemble p95 at concurrency 16",
-                c16["coalesced"].p95_ms / c16["ensemble"].p95_ms
-                if c16["coalesced"] and c16["ensemble"] else None, 1.2, "lower"),
+        "| way | best throughput (req/s) | at concurrency | throughput at 16 | p50 at 1 (ms) |",
+        "|---|---|---|---|---|",
+        *[f"| {labels[k]} | {best[k].throughput:.0f} | {best[k].concurrency} | "
+          f"{c16[k].throughput:.0f} | {one[k].p50_ms:.2f} |" for k in ways
+          if best[k] and one[k] and c16[k]],
+        "", "Standing targets (the sweep above):", "",
+        _target("`pipeline` / ensemble, best throughput",
+                best["bls"].throughput / best["ensemble"].throughput
+                if best["bls"] and best["ensemble"] else None, 1.0, "higher"),
+        _target("`pipeline` / in-process, best throughput",
+                best["bls"].throughput / best["in-process"].throughput
+                if best["bls"] and best["in-process"] else None, 0.8, "higher"),
+        _target("`pipeline` / ensemble, p95 at concurrency 16",
+                c16["bls"].p95_ms / c16["ensemble"].p95_ms if c16["bls"] and c16["ensemble"]
+                else None, 1.2, "lower"),
     ]
-    if tp["coalesced"] and tp["bls"] and tp["ensemble"]:
-        result.summary.append(
-            f"- Coalescing on / off, best throughput: {tp['coalesced']:.0f} / {tp['bls']:.0f} "
-            f"req/s = **{tp['coalesced'] / tp['bls']:.2f}**; coalescing off / ensemble: "
-            f"{tp['bls'] / tp['ensemble']:.2f}")
-    if one["coalesced"] and one["in-process"] and one["ensemble"]:
-        added_bls = one["coalesced"].p50_ms - one["in-process"].p50_ms
-        added_ens = one["ensemble"].p50_ms - one["in-process"].p50_ms
-        result.summary += [
-            f"- Latency added over in-process (branches concurrent in both) at concurrency 1: "
-            f"BLS {added_bls:.2f} ms over 4 hops (client→pipeline, 3 sub-requests) = "
-            f"**{added_bls / 4:.2f} ms per hop**; ensemble {added_ens:.2f} ms over 5 hops "
-            f"(client→ensemble, 4 steps) = {added_ens / 5:.2f} ms per hop. A difference this "
-            "small is within run-to-run noise here; the hops also run the sub-models with other "
-            "thread counts than in-process (1 ONNX Runtime thread per session there).",
-        ]
-    result.summary += group_table(groups)
+    result.data.update({
+        "throughput_c16": {k: p.throughput for k, p in c16.items() if p},
+        "p50_c1_ms": {k: p.p50_ms for k, p in one.items() if p},
+        "best": {k: p.throughput for k, p in best.items() if p}})
+    result.summary += anchor_targets(ctx, result)
     zero = ["--input-data", "zero"]  # token 0 is valid; random INT64 would not be
-    tags = result.add_run("tag_pipeline, coalescing off", perf.run(
-        "tag_pipeline_uncoalesced", url, levels, ctx.settings, extra=zero))
-    tags_coalesced = result.add_run("tag_pipeline (coalescing)", perf.run(
-        "tag_pipeline", url, levels, ctx.settings, extra=zero))
-    tag_best = {k: _best(points) for k, points in (("off", tags), ("on", tags_coalesced))}
-    if tag_best["off"] and tag_best["on"]:
-        result.summary.append(
-            f"- `tag_pipeline` best throughput, coalesced / uncoalesced: "
-            f"{tag_best['on'].throughput:.0f} / {tag_best['off'].throughput:.0f} req/s = "
-            f"**{tag_best['on'].throughput / tag_best['off'].throughput:.2f}**")
+    result.add_run("tag_pipeline", perf.run("tag_pipeline", url, levels, ctx.settings, extra=zero))
     result.summary += cpu_accounting(ctx, result, local, image)
     result.plot = {"kind": "curve", "title": "Throughput vs p95 latency (concurrency sweep)",
                    "filter": {"scenario": None}}
     return result
 
 
-GROUP_STAGES = ("preprocess", "classifier", "embedder")
-
-
-# -- coalescing settings: instances x sub-requests in flight per stage -----------------------------
-COALESCING_GRID = ((2, 1), (2, 2), (1, 1), (1, 2))  # (instances, coalesce_in_flight)
-COALESCING_LEVELS = (16, 32)
-BURSTS, BURST_SIZE = 12, 50
-
-
-def coalescing_specs(repository: Path) -> dict[tuple[int, int], S.ModelSpec]:
-    return {(instances, in_flight): dataclasses.replace(
-        S.PIPELINE, name=f"pipeline_coalesce_i{instances}_f{in_flight}", instance_count=instances,
-        parameters={**S.PIPELINE.parameters, "coalesce": "on",
-                    "coalesce_in_flight": str(in_flight),
-                    "stage_model_repositories": str(repository)})
-        for instances, in_flight in COALESCING_GRID}
-
-
-def bursts(ctx: Context, model: str, count: int, size: int) -> list[tuple[float, float]]:
-    """``count`` bursts of ``size`` concurrent gRPC requests, one after the other: per burst, the
-    slowest answer (ms) and the mean time its requests spent in Triton's queue of ``model``
-    (ms; from its statistics)."""
-    import concurrent.futures
-
-    import tritonclient.grpc as grpcclient
-
-    image = nets.synthetic_images(1, seed=9).numpy()
-    clients_ = [grpcclient.InferenceServerClient(ctx.server.grpc_url) for _ in range(size)]
-
-    def one(client) -> float:
-        tensor = grpcclient.InferInput("IMAGE", list(image.shape), "UINT8")
-        tensor.set_data_from_numpy(image)
-        started = time.monotonic()
-        client.infer(model, [tensor])
-        return time.monotonic() - started
-
-    out = []
-    try:
-        with concurrent.futures.ThreadPoolExecutor(size) as pool:
-            for _ in range(count):
-                before = profile.model_stats(ctx.server)[model]
-                slowest = max(pool.map(one, clients_))
-                after = profile.model_stats(ctx.server)[model]
-                served = max(1, after["count"] - before["count"])
-                out.append((1000 * slowest, (after["queue"] - before["queue"]) / 1e6 / served))
-    finally:
-        for client in clients_:
-            client.close()
-    return out
-
-
-def coalescing(ctx: Context) -> Result:
-    """Which coalescing settings: the orchestrator's instances x ``coalesce_in_flight``, with
-    coalescing off as the baseline. Throughput, CPU and group sizes under perf_analyzer load;
-    then bursts of 50, where a single instance's dynamic batcher queue can stall."""
-    result = Result("coalescing", "Coalescing settings: instances x sub-requests in flight")
-    seconds, warmup = (2.0, 1.0) if ctx.quick else (10.0, 3.0)
-    levels = (4,) if ctx.quick else COALESCING_LEVELS
-    count = 2 if ctx.quick else BURSTS
-    ways = {"coalescing off, 2 instances": ("pipeline_uncoalesced", 2, 0)}
-    ways.update({f"{i} instance{'s' if i > 1 else ''}, {f} in flight": (spec.name, i, f)
-                 for (i, f), spec in coalescing_specs(ctx.repository).items()})
-    lines = ["| setting | " + " | ".join(f"req/s at {c} (stub ms/req; server ms/req; group "
-                                           f"classifier)" for c in levels)
-             + f" | {count} bursts of {BURST_SIZE}: slowest answer, max (ms) | worst burst: mean "
-             "queue time in Triton (ms) |", "|---|" + "---|" * (len(levels) + 2)]
-    for label, (model, instances, in_flight) in ways.items():
-        cells = []
-        for level in levels:
-            before = group_sizes(ctx.server.metrics_url, model)
-            load = profile.drive(ctx.server, model, level, seconds, warmup=warmup)
-            after = group_sizes(ctx.server.metrics_url, model)
-            cpu = load.cpu_ms_per_request()
-            stub = cpu.get(f"{model} stubs", 0.0)
-            server = cpu.get("tritonserver", 0.0)
-            rate = load.requests / load.seconds if load.seconds else 0.0
-            groups = {}
-            for stage in GROUP_STAGES:
-                done = (after.get(stage, {}).get("count", 0.0)
-                        - before.get(stage, {}).get("count", 0.0))
-                summed = after.get(stage, {}).get("sum", 0.0) - before.get(stage, {}).get("sum", 0.0)
-                groups[stage] = summed / done if done else None
-            result.rows.append({"experiment": result.name, "variant": label, "concurrency": level,
-                                "throughput": round(rate, 2), "stub_cpu_ms": round(stub, 3),
-                                "server_cpu_ms": round(server, 3), "instances": instances,
-                                "coalesce_in_flight": in_flight,
-                                **{f"group_{s}": round(g, 2) if g else None
-                                   for s, g in groups.items()}})
-            group = groups["classifier"]
-            cells.append(f"{rate:.0f} ({stub:.2f}; {server:.2f}; "
-                         f"{f'{group:.1f}' if group else '–'})")
-        started = time.monotonic()
-        measured = bursts(ctx, model, count, BURST_SIZE)
-        rate = count * BURST_SIZE / (time.monotonic() - started)
-        result.rows.append({"experiment": result.name, "variant": label, "scenario": "bursts",
-                            "throughput": round(rate, 2),
-                            "slowest_ms": [round(s, 1) for s, _ in measured],
-                            "queue_ms": [round(q, 2) for _, q in measured]})
-        lines.append(f"| {label} | " + " | ".join(cells)
-                     + f" | {max(s for s, _ in measured):.0f} | "
-                     f"{max(q for _, q in measured):.1f} |")
-    result.summary += [
-        f"Each setting driven by perf_analyzer (gRPC, `--input-data zero`) for {seconds:.0f} s "
-        f"after {warmup:.0f} s of warm-up; CPU from /proc per completed request; group: mean "
-        "requests per classifier sub-request. Then bursts of "
-        f"{BURST_SIZE} concurrent requests, {count} one after the other.", "", *lines]
-    result.plot = {"kind": "bar", "title": "Coalescing settings: throughput",
-                   "value": "throughput", "xlabel": "throughput (req/s)",
-                   "label": ["variant", "concurrency"], "filter": {"scenario": None}}
-    return result
-
-
-def group_sizes(metrics_url: str, model: str) -> dict[str, dict[str, float]]:
-    """Stage -> {bucket upper bound: cumulative count, "sum": .., "count": ..} of
-    ``bls_coalesced_group_size``, now."""
-    import re
-    import urllib.request
-
-    with urllib.request.urlopen(metrics_url, timeout=10) as response:
-        text = response.read().decode()
-    found: dict[str, dict[str, float]] = {}
-    for line in text.splitlines():
-        match = re.match(r"^bls_coalesced_group_size_(bucket|sum|count)\{(.*)\} (\S+)$", line)
-        if not match:
-            continue
-        labels = dict(re.findall(r'(\w+)="([^"]*)"', match.group(2)))
-        if labels.get("model") == model:
-            stage = found.setdefault(labels["stage"], {})
-            key = labels["le"] if match.group(1) == "bucket" else match.group(1)
-            stage[key] = stage.get(key, 0.0) + float(match.group(3))
-    return found
-
-
-def run_with_groups(ctx: Context, model: str, levels: list[int]
-                    ) -> tuple[perf.Run, dict[int, dict[str, dict[str, float]]]]:
-    """perf_analyzer over ``levels``, one at a time, with the group sizes each level produced
-    (the difference of ``bls_coalesced_group_size`` across the level)."""
-    url, combined, groups = ctx.server.grpc_url, None, {}
-    for level in levels:
-        before = group_sizes(ctx.server.metrics_url, model)
-        run = perf.run(model, url, [level], ctx.settings)
-        after = group_sizes(ctx.server.metrics_url, model)
-        groups[level] = {stage: {le: count - before.get(stage, {}).get(le, 0.0)
-                                 for le, count in buckets.items()}
-                         for stage, buckets in after.items()}
-        if combined is None:
-            combined = run
-        else:
-            combined.points += run.points
-            combined.error += ("; " if combined.error and run.error else "") + run.error
-            combined.retried += run.retried
-            combined.command = [*combined.command[:-1],
-                                f"{combined.command[-1]},{level}"]
-    return combined, groups
-
-
-def group_table(groups: dict[int, dict[str, dict[str, float]]]) -> list[str]:
-    """Requests per sub-request at each concurrency, per stage: the mean and the share of
-    sub-requests that carried a single request."""
-    lines = ["", "Coalescing: requests per sub-request at each concurrency (mean; share of "
-             "sub-requests that carried one request; perf_analyzer's warm-up and trials "
-             "included):", "",
-             "| concurrency | " + " | ".join(GROUP_STAGES) + " |",
-             "|---|" + "---|" * len(GROUP_STAGES)]
-    for level, stages in groups.items():
-        cells = []
-        for stage in GROUP_STAGES:
-            buckets = stages.get(stage, {})
-            total = buckets.get("count", 0.0)
-            if not total:
-                cells.append("–")
-                continue
-            bounds = sorted((float(le), count) for le, count in buckets.items()
-                            if le not in ("+Inf", "sum", "count"))
-            alone = bounds[0][1] if bounds and bounds[0][0] == 1.0 else 0.0
-            cells.append(f"{buckets['sum'] / total:.1f}; {alone / total:.0%} alone")
-        lines.append(f"| {level} | " + " | ".join(cells) + " |")
-    return lines
+def anchor_targets(ctx: Context, result: Result) -> list[str]:
+    """Issue 27's targets with the committed CNNs: `pipeline` against the anchor in interleaved
+    rounds (``anchors.side_by_side``)."""
+    rounds = 1 if ctx.quick else ANCHOR_ROUNDS
+    level = 4 if ctx.quick else 16
+    figures = anchors.side_by_side(ctx.server, {"bls": "pipeline", "minimal": "pipeline_minimal"},
+                                   rounds, levels=(level,), seconds=2.0 if ctx.quick else 10.0)
+    ratio = anchors.paired(figures, "bls", "minimal", f"rps_c{level}")
+    over = [d / 1000 for d in anchors.paired(figures, "bls", "minimal", "p50_c1_us", True)]
+    stub = anchors.paired(figures, "bls", "minimal", "stub_cpu_ms")
+    median = lambda values: float(np.median(values)) if values else None  # noqa: E731
+    for key, values in figures.items():
+        for figure, per_round in values.items():
+            for index, value in enumerate(per_round):
+                result.rows.append({"experiment": result.name, "variant": f"anchor: {key}",
+                                    "scenario": "targets", "figure": figure,
+                                    "round": index + 1, "value": round(value, 3)})
+    result.data.update({"anchor_rounds": figures, "throughput_ratio_c16": median(ratio),
+                        "p50_over_anchor_ms": median(over), "stub_cpu_ratio": median(stub)})
+    return [
+        "", f"Targets (issue 27) with the committed CNNs: `pipeline` against the anchor in "
+        f"{rounds} interleaved round(s) (order reversed every other round), per round: p50 at "
+        f"concurrency 1 (perf_analyzer), then 10 s at concurrency {level}; median of the rounds' "
+        "ratios (range):", "",
+        "| figure | `pipeline` | minimal per-batch | ratio or difference |", "|---|---|---|---|",
+        f"| p50 at concurrency 1 (µs) | {anchors.summary(figures['bls']['p50_c1_us'], 0)} | "
+        f"{anchors.summary(figures['minimal']['p50_c1_us'], 0)} | {anchors.summary(over)} ms |",
+        f"| req/s at concurrency {level} | {anchors.summary(figures['bls'][f'rps_c{level}'], 1)} "
+        f"| {anchors.summary(figures['minimal'][f'rps_c{level}'], 1)} | "
+        f"{anchors.summary(ratio)} |",
+        f"| stub CPU ms per request | {anchors.summary(figures['bls']['stub_cpu_ms'], 3)} | "
+        f"{anchors.summary(figures['minimal']['stub_cpu_ms'], 3)} | {anchors.summary(stub)} |",
+        "",
+        _target(f"`pipeline` / minimal per-batch, throughput at concurrency {level}",
+                median(ratio), ANCHOR_TARGETS["throughput_c16"], "higher"),
+        _target("`pipeline` − minimal per-batch, p50 at concurrency 1 (ms)", median(over),
+                ANCHOR_TARGETS["p50_c1_over_ms"], "lower"),
+    ]
 
 
 def cpu_accounting(ctx: Context, result: Result, local: clients.InProcess,
@@ -415,7 +257,7 @@ def cpu_accounting(ctx: Context, result: Result, local: clients.InProcess,
     cores divided by the CPU one request costs, summed over every process it touches."""
     concurrency = 4 if ctx.quick else ACCOUNTING_CONCURRENCY
     seconds = 2.0 if ctx.quick else 15.0
-    ways = {"bls": "pipeline_uncoalesced", "coalesced": "pipeline", "ensemble": "pipeline_ensemble"}
+    ways = {"minimal": "pipeline_minimal", "bls": "pipeline", "ensemble": "pipeline_ensemble"}
     loads = {way: profile.drive(ctx.server, model, concurrency, seconds,
                                 warmup=1 if ctx.quick else 5) for way, model in ways.items()}
     measured, inproc_ms = local.cpu_per_request(lambda: local.pipeline(image), 4, seconds)
@@ -432,13 +274,13 @@ def cpu_accounting(ctx: Context, result: Result, local: clients.InProcess,
                                 "throughput": round(throughput[way], 2)})
     labels = sorted({k for v in columns.values() for k in v},
                     key=lambda k: -max(v.get(k, 0.0) for v in columns.values()))
-    order = ("in-process", "bls", "coalesced", "ensemble")
+    order = ("in-process", "minimal", "bls", "ensemble")
     lines = ["", f"CPU per request by process, each way driven at concurrency {concurrency} for "
              f"{seconds:.0f} s (in-process: 4 threads), from /proc of every process (perf_analyzer "
              "included; ms of CPU per completed request). The ONNX models have no process of "
              "their own: Triton's C++ onnxruntime backend runs them inside tritonserver, whose "
              "row includes them:", "",
-             "| process | in-process | BLS, coalescing off | BLS `pipeline` (coalescing) | "
+             "| process | in-process | minimal per-batch BLS | BLS `pipeline` | "
              "`pipeline_ensemble` |",
              "|---|---|---|---|---|"]
     # Stubs of the other loaded models (idle here) in one row.
@@ -461,13 +303,12 @@ def cpu_accounting(ctx: Context, result: Result, local: clients.InProcess,
     stubs = {way: sum(v for k, v in columns[way].items() if k.startswith(f"{model} "))
              for way, model in ways.items()}
     lines.append("")
-    lines.append(_target("orchestrator stub CPU per request, coalescing on / off",
-                         stubs["coalesced"] / stubs["bls"] if stubs["bls"] else None,
-                         0.33, "lower"))
+    lines.append(f"- Orchestrator stubs' CPU per request, `pipeline` / minimal per-batch: "
+                 f"{stubs['bls']:.2f} / {stubs['minimal']:.2f} ms = "
+                 f"{_ratio(stubs['bls'], stubs['minimal'])}.")
     ens = columns["ensemble"]
     lines += [""]
-    for way, label in (("coalesced", "BLS `pipeline` (coalescing)"),
-                       ("bls", "BLS, coalescing off")):
+    for way, label in (("bls", "BLS `pipeline`"), ("minimal", "minimal per-batch BLS")):
         server = columns[way].get("tritonserver", 0.0) - ens.get("tritonserver", 0.0)
         lines.append(
             f"- {label}: with both cores busy, throughput ≈ cores / CPU per request, so "
@@ -481,8 +322,7 @@ def cpu_accounting(ctx: Context, result: Result, local: clients.InProcess,
             "ensemble.")
     lines.append("- What BLS pays and the ensemble does not: each client request and each "
                  "sub-request crosses the python backend's shared-memory IPC (stub and server "
-                 "side); coalescing shares the sub-requests' part among a group, not the "
-                 "request's own.")
+                 "side); a batch's requests share its sub-requests, not their own crossing.")
     return lines
 
 
@@ -559,7 +399,7 @@ def concurrency_designs(ctx: Context) -> Result:
     failures = []
     # Warm-up, unmeasured: 50 requests through every design twice, so that no design pays the
     # server's first requests (ONNX Runtime's first run of each batch size, thread pools, the
-    # coalescers' duration history) for the others. Each design's first round measured cold
+    # runtime's record of batch times) for the others. Each design's first round measured cold
     # otherwise, and the first design measured took 2-5x longer than later rounds of itself.
     for _ in range(2):
         for design in designs.DESIGNS:
@@ -576,8 +416,7 @@ def concurrency_designs(ctx: Context) -> Result:
                    scenario="head-of-line")
         p50 = float(np.median([np.percentile(l, 50) * 1e3 if l else np.nan for l, _ in measured]))
         worst = float(np.median([max(l, default=0) * 1e3 for l, _ in measured]))
-        extra = ["--async"] + (["--streaming"] if design.decoupled else [])
-        run = perf.run(design.model, url, levels, ctx.settings, extra=extra)
+        run = perf.run(design.model, url, levels, ctx.settings, extra=["--async"])
         result.commands.append(run.command_line)
         if run.error:
             failures.append(f"- {design.name}: perf_analyzer failed: {run.error}")
@@ -1055,7 +894,6 @@ def ort_options(ctx: Context) -> Result:
 
 EXPERIMENTS = {
     "orchestration": orchestration,
-    "coalescing": coalescing,
     "fanout": fanout,
     "designs": concurrency_designs,
     "large_output": large_output,

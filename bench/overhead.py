@@ -10,30 +10,31 @@ a directory of its own, served by a server of its own.
 
 Measured, side by side in one run:
 
-- throughput, p50 and p99 at concurrency 1 to 64 of four ways to get the same answer: in-process
-  ONNX Runtime, the client calling the sub-models itself (gRPC), the BLS ``pipeline`` and
-  ``pipeline_ensemble`` (perf_analyzer, gRPC);
+- throughput, p50 and p99 at concurrency 1 to 64 of five ways to get the same answer: in-process
+  ONNX Runtime, the client calling the sub-models itself (gRPC), the BLS ``pipeline``, the
+  plainest per-batch BLS (``pipeline_minimal``, the anchor: bench/models/minimal.py) and
+  ``pipeline_ensemble`` (perf_analyzer, gRPC; the served ones level by level, one after the
+  other);
 - CPU per request of every process (tritonserver, each model's stubs, the load generator) with
-  ``pipeline`` and with ``pipeline_ensemble`` driven at concurrency 16;
+  each served way driven at concurrency 16;
 - the latency each hop adds at concurrency 1, in µs: one model through Triton against the same
   ONNX Runtime session in-process, and each way of orchestrating against in-process.
 
-The targets are issue 21's: ``pipeline`` at ≥ 0.8× the ensemble's best throughput, ≤ 0.3 ms
-over the ensemble's p50 at concurrency 1, and ≤ 0.25 ms of orchestrator-stub CPU per request at
-concurrency 16.
+The targets are issue 27's, ratios to the anchor measured beside it (``TARGETS``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import shutil
+import statistics
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 
-from bench import clients, perf, profile
+from bench import anchors, clients, perf, profile
 from bench.perf import Point
 from bls_models import spec as S
 from modelgen import export, nets
@@ -43,12 +44,14 @@ ROOT = Path(__file__).resolve().parents[1]
 SIZE = "fast"
 LEVELS = (1, 2, 4, 8, 16, 32, 64)
 ACCOUNTING_CONCURRENCY = 16
+ROUNDS = 5                  # interleaved rounds of the anchor comparison
 HOP_REQUESTS = 400          # sequential requests per single-model latency (concurrency 1)
 STAGES = (S.PREPROCESS, S.CLASSIFIER, S.EMBEDDER)
-TARGETS = {  # issue 21
-    "throughput": 0.8,       # pipeline / ensemble, best concurrency: at least
-    "p50_over_ms": 0.3,      # pipeline - ensemble p50 at concurrency 1: at most
-    "stub_cpu_ms": 0.25,     # pipeline's stubs, CPU ms per request at concurrency 16: at most
+TARGETS = {  # issue 27
+    "throughput": 0.95,      # pipeline / anchor throughput at concurrency 16 and 64: at least
+    "p50_over_ms": 0.2,      # pipeline - anchor p50 at concurrency 1: at most
+    "stub_cpu": 1.15,        # pipeline / anchor stub CPU per request at concurrency 16: at most
+    "ensemble": 0.63,        # pipeline / ensemble best throughput (floor ~0.66): at least
 }
 
 
@@ -68,6 +71,7 @@ def fast_repository(target: Path, repository: Path, size: str = SIZE) -> Path:
     for model in SERVED:
         if model.backend == "onnxruntime" and not keep:
             export.export_model(model, export.onnx_path(target, model), size)
+    anchors.write_minimal(target, target / "pipeline" / "config.pbtxt")
     return target
 
 
@@ -124,7 +128,7 @@ def overhead(ctx) -> object:
 
 
 def measure(ctx, result, server: TritonServer, repository: Path | None, levels: list[int],
-            seconds: float) -> None:
+            seconds: float, rounds: int = ROUNDS) -> None:
     """The experiment against ``server``. ``repository``: where the ONNX files are for the
     in-process comparison on this CPU; None on a GPU host (``make gpu-check``), where the models
     run on the GPU and an in-process CPU run compares nothing."""
@@ -139,12 +143,13 @@ def measure(ctx, result, server: TritonServer, repository: Path | None, levels: 
     direct = [asyncio.run(clients.client_pipeline(url, c, count(c))) for c in levels]
     for p in direct:
         result.add("client calls sub-models", p)
-    bls = result.add_run("BLS `pipeline`", perf.run("pipeline", url, levels, ctx.settings))
-    ens = result.add_run("`pipeline_ensemble`", perf.run("pipeline_ensemble", url, levels,
-                                                         ctx.settings))
-    ways = {"in-process": inproc, "direct": direct, "bls": bls, "ensemble": ens}
     labels = {"in-process": "in-process ONNX Runtime", "direct": "client calls sub-models",
-              "bls": "BLS `pipeline`", "ensemble": "`pipeline_ensemble`"}
+              "bls": "BLS `pipeline`", "minimal": "minimal per-batch BLS (anchor)",
+              "ensemble": "`pipeline_ensemble`"}
+    served = {"bls": "pipeline", "minimal": "pipeline_minimal", "ensemble": "pipeline_ensemble"}
+    runs = perf.interleaved(served, url, levels, ctx.settings)
+    ways = {"in-process": inproc, "direct": direct,
+            **{key: result.add_run(labels[key], run) for key, run in runs.items()}}
     best = {k: _best(v) for k, v in ways.items()}
     one = {k: _at(v, 1) for k, v in ways.items()}
     result.summary += [
@@ -155,20 +160,49 @@ def measure(ctx, result, server: TritonServer, repository: Path | None, levels: 
     ]
     result.summary += hops(ctx, result, url, local, one)
     result.summary += cpu(ctx, result, server, local, image)
-    ratio = (best["bls"].throughput / best["ensemble"].throughput
-             if best["bls"] and best["ensemble"] else None)
-    over = one["bls"].p50_ms - one["ensemble"].p50_ms if one["bls"] and one["ensemble"] else None
-    stub = result.data.get("pipeline_stub_cpu_ms")
+    rounds = 1 if ctx.quick else rounds
+    figures = anchors.side_by_side(server, {"bls": "pipeline", "minimal": "pipeline_minimal"},
+                                   rounds, levels=(16, 64) if not ctx.quick else (4,),
+                                   seconds=2.0 if ctx.quick else 8.0)
+    levels_ = (16, 64) if not ctx.quick else (4,)
+    ratio = {c: anchors.paired(figures, "bls", "minimal", f"rps_c{c}") for c in levels_}
+    over = [d / 1000 for d in anchors.paired(figures, "bls", "minimal", "p50_c1_us", True)]
+    stub = anchors.paired(figures, "bls", "minimal", "stub_cpu_ms")
+    ensemble = (best["bls"].throughput / best["ensemble"].throughput
+                if best["bls"] and best["ensemble"] else None)
+    med = lambda values: statistics.median(values) if values else None  # noqa: E731
     result.summary += [
-        "", "Targets (issue 21):", "",
-        _verdict("`pipeline` / ensemble, best throughput", ratio, TARGETS["throughput"], True),
-        _verdict("`pipeline` − ensemble, p50 at concurrency 1", over, TARGETS["p50_over_ms"],
-                 False, " ms"),
-        _verdict("`pipeline` stubs' CPU per request at concurrency "
-                 f"{result.data.get('accounting_concurrency')}",
-                 stub, TARGETS["stub_cpu_ms"], False, " ms"),
+        "", f"Targets (issue 27): `pipeline` against the anchor in {rounds} interleaved "
+        "round(s) (order reversed every other round), per round: p50 at concurrency 1 "
+        "(perf_analyzer), then 8 s at concurrency 16 (throughput, stub CPU per request) and "
+        "64 (throughput); median of the rounds' ratios (range):", "",
+        "| figure | `pipeline` | minimal per-batch | ratio or difference |", "|---|---|---|---|",
+        *[f"| {label} | {anchors.summary(figures['bls'][k], d)} | "
+          f"{anchors.summary(figures['minimal'][k], d)} | {anchors.summary(v, 2)} |"
+          for label, k, d, v in (
+              ("p50 at concurrency 1 (µs)", "p50_c1_us", 0, over),
+              *[(f"req/s at concurrency {c}", f"rps_c{c}", 0, ratio[c]) for c in levels_],
+              ("stub CPU ms per request at the first level", "stub_cpu_ms", 3, stub))],
+        "",
+        *[_verdict(f"`pipeline` / minimal per-batch, throughput at concurrency {c}",
+                   med(ratio[c]), TARGETS["throughput"], True) for c in levels_],
+        _verdict("`pipeline` − minimal per-batch, p50 at concurrency 1", med(over),
+                 TARGETS["p50_over_ms"], False, " ms"),
+        _verdict("`pipeline` / minimal per-batch, stub CPU per request", med(stub),
+                 TARGETS["stub_cpu"], False),
+        _verdict("`pipeline` / ensemble, best throughput of the sweep (three hops: floor "
+                 "≈ 0.66)", ensemble, TARGETS["ensemble"], True),
     ]
-    result.data.update({"throughput_ratio": ratio, "p50_over_ensemble_ms": over,
+    for key, values in figures.items():
+        for figure, per_round in values.items():
+            for index, value in enumerate(per_round):
+                result.rows.append({"experiment": result.name, "variant": f"anchor: {key}",
+                                    "scenario": "targets", "figure": figure,
+                                    "round": index + 1, "value": round(value, 3)})
+    result.data.update({"anchor_rounds": figures,
+                        "throughput_ratio": {c: med(r) for c, r in ratio.items()},
+                        "p50_over_anchor_ms": med(over), "stub_cpu_ratio": med(stub),
+                        "ensemble_ratio": ensemble,
                         "best": {k: p.throughput for k, p in best.items() if p},
                         "p50_c1_ms": {k: p.p50_ms for k, p in one.items() if p}})
 
@@ -214,12 +248,14 @@ def hops(ctx, result, url: str, local: clients.InProcess | None, one: dict) -> l
 
 def cpu(ctx, result, server: TritonServer, local: clients.InProcess | None,
         image: np.ndarray) -> list[str]:
-    """CPU per request of every process, ``pipeline`` and the ensemble each driven alone."""
+    """CPU per request of every process, each served way driven alone."""
     concurrency = 4 if ctx.quick else ACCOUNTING_CONCURRENCY
     seconds = 2.0 if ctx.quick else 15.0
+    served = (("bls", "pipeline"), ("minimal", "pipeline_minimal"),
+              ("ensemble", "pipeline_ensemble"))
     loads = {way: profile.drive(server, model, concurrency, seconds,
                                 warmup=1 if ctx.quick else 5)
-             for way, model in (("bls", "pipeline"), ("ensemble", "pipeline_ensemble"))}
+             for way, model in served}
     columns = {way: load.cpu_ms_per_request() for way, load in loads.items()}
     throughput = {way: load.requests / load.seconds for way, load in loads.items()}
     if local is not None:
@@ -232,9 +268,9 @@ def cpu(ctx, result, server: TritonServer, local: clients.InProcess | None,
                                 "scenario": "cpu accounting", "process": process,
                                 "cpu_ms_per_request": round(ms, 4),
                                 "throughput": round(throughput[way], 2)})
-    order = [k for k in ("in-process", "bls", "ensemble") if k in columns]
+    order = [k for k in ("in-process", "bls", "minimal", "ensemble") if k in columns]
     heads = {"in-process": "in-process", "bls": "BLS `pipeline`",
-             "ensemble": "`pipeline_ensemble`"}
+             "minimal": "minimal per-batch BLS", "ensemble": "`pipeline_ensemble`"}
     names = sorted({k for v in columns.values() for k in v},
                    key=lambda k: -max(v.get(k, 0.0) for v in columns.values()))
     lines = ["", f"CPU per request by process (ms), each way driven alone at concurrency "
@@ -251,7 +287,9 @@ def cpu(ctx, result, server: TritonServer, local: clients.InProcess | None,
         f"**{sum(columns[k].values()):.3f}**" for k in order) + " |")
     lines.append("| throughput in this period (req/s) | " + " | ".join(
         f"{throughput[k]:.0f}" for k in order) + " |")
-    result.data["pipeline_stub_cpu_ms"] = columns["bls"].get("pipeline stubs")
+    result.data["stub_cpu_ms"] = {way: columns[way].get(f"{model} stubs")
+                                  for way, model in served if way != "ensemble"}
+    result.data["pipeline_stub_cpu_ms"] = result.data["stub_cpu_ms"]["bls"]
     result.data["accounting_concurrency"] = concurrency
     result.data["cpu_ms_per_request"] = columns
     return lines

@@ -21,7 +21,7 @@ written to ``bench/results/pb_calls.md`` (and ``.json``):
 3. **Calls per request of the orchestrator**, counted over the unit tests' r24.10-like fake
    ``pb_utils`` (tests/unit/fake_pb_utils.py): the committed ``pipeline`` (its config's
    parameters), its requests arriving one per ``execute`` and four per ``execute``, answers
-   returned from ``execute`` (``return_within_ms`` as committed) and sent (0).
+   returned from ``execute`` (as committed) and sent (``return_within_ms`` 0).
 
 Multiply 3 by 1 for the cost of the calls; the rest of the stub's CPU per request
 (``make bench-overhead``) is the runtime's own Python. The repository given is only read.
@@ -302,13 +302,12 @@ def calls_per_request() -> dict[str, dict[str, float]]:
     """pb_utils calls per request of the committed ``pipeline`` over the fake ``pb_utils``."""
     from tests.unit.fake_pb_utils import FakePbUtils, Request
     from tests.unit.row_models import DirectedRowModels, image_of
-    from tests.unit.test_runtime import orchestrator, wait_answered
+    from tests.unit.support import orchestrator, wait_answered
 
     counted = {}
     for per_execute, hold in ((1, None), (4, None), (1, "0"), (4, "0")):
         pb = FakePbUtils(DirectedRowModels().models())
-        orch = orchestrator(pb, coalesce="on", **({} if hold is None else
-                                                  {"return_within_ms": hold}))
+        orch = orchestrator(pb, **({} if hold is None else {"return_within_ms": hold}))
         try:
             time.sleep(0.2)
             before = dict(pb.faults.calls)
@@ -349,7 +348,7 @@ def report(costs: dict, answers: list[dict], counts: dict, command: str) -> str:
                      f"{row['stub_cpu_ms']:.3f} | {row['tritonserver_cpu_ms']:.3f} | "
                      f"{row['p50_c1_us']} |")
     names = sorted({name for per in counts.values() for name in per})
-    lines += ["", "## 3. pb_utils calls per request of `pipeline` (fake pb_utils, coalescing on)",
+    lines += ["", "## 3. pb_utils calls per request of `pipeline` (fake pb_utils)",
               "", "| call | " + " | ".join(counts) + " |", "|---|" + "---|" * len(counts)]
     for name in names:
         lines.append(f"| {name} | " + " | ".join(f"{per.get(name, 0):.2f}"

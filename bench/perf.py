@@ -102,6 +102,27 @@ def run(model: str, url: str, concurrency: list[int], settings: Settings, *,
         return result
 
 
+def interleaved(models: dict[str, str], url: str, levels: list[int], settings: Settings
+                ) -> dict[str, Run]:
+    """``run`` over ``levels`` for each of ``models`` (key -> model), level by level, one model
+    after the other at each level (in reverse order every other level): a slow spell of the
+    shared host hits every model alike."""
+    runs: dict[str, Run] = {}
+    for index, level in enumerate(levels):
+        for key, model in (list(models.items()) if index % 2 == 0
+                           else list(models.items())[::-1]):
+            one = run(model, url, [level], settings)
+            if key not in runs:
+                runs[key] = one
+                continue
+            combined = runs[key]
+            combined.points += one.points
+            combined.error += ("; " if combined.error and one.error else "") + one.error
+            combined.retried += one.retried
+            combined.command = [*combined.command[:-1], f"{combined.command[-1]},{level}"]
+    return runs
+
+
 def read_csv(path: Path) -> list[Point]:
     points = []
     with path.open() as handle:

@@ -3,20 +3,20 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 
 
-@dataclass(frozen=True)
 class Deadline:
     """When a request must be answered by, on the ``time.monotonic`` clock.
 
     The client's request timeout (``request.timeout()``, in microseconds; 0 when unset) is the
     end-to-end budget; without one, the orchestrator's ``default_deadline_ms`` applies.
+    (A plain class: one is made per request.)
     """
 
-    start: float
-    end: float
-    source: str  # "client" or "default"
+    __slots__ = ("start", "end", "source")
+
+    def __init__(self, start: float, end: float, source: str) -> None:
+        self.start, self.end, self.source = start, end, source  # source: "client" or "default"
 
     @classmethod
     def for_request(cls, timeout_us: int, default_ms: float, now: float | None = None) -> "Deadline":

@@ -120,9 +120,13 @@ class Setup:
     contracts: dict[str, ModelSpec] = field(default_factory=dict)
 
 
-# The run function: ``async run(inputs, call, setup) -> outputs``, over numpy arrays, reaching
-# sub-models only through ``call(stage, inputs, output_names, reduce=None)`` (bls_models/
-# pipelines.py). Given as a callable or as "module:function" (resolved at load).
+# The run function: ``async run(inputs, call, setup) -> outputs``, over numpy arrays whose first
+# axis is rows (one run may hold the rows of several requests), reaching sub-models only through
+# ``await call(stage, inputs, output_names, reduce=None)`` and running independent ones together
+# with ``await gather_all(...)`` (bls_models/pipelines.py). The check: ``check(inputs)`` over one
+# request's inputs, raising ``errors.InvalidInput`` for bad client data; it runs per request
+# before rows are stacked, so a bad request fails alone. Each is given as a callable or as
+# "module:function" (resolved at load).
 RunFunction = Callable
 
 
@@ -134,6 +138,7 @@ class PipelineDef:
     stages: tuple[StageDef, ...]
     run: RunFunction | str
     max_batch_size: int
+    check: RunFunction | str | None = None
     # Parameters of this pipeline only (the common ones and each stage's are added).
     parameters: tuple[params.Param, ...] = ()
     # Other defaults for common parameters (name -> value), e.g. fewer sub-request threads.
@@ -198,10 +203,17 @@ class PipelineDef:
             description=self.description, orchestrates=self.name)
 
     def run_function(self) -> RunFunction:
-        if callable(self.run):
-            return self.run
-        module, _, attribute = self.run.partition(":")
-        return getattr(importlib.import_module(module), attribute)
+        return _resolve(self.run)
+
+    def check_function(self) -> RunFunction | None:
+        return None if self.check is None else _resolve(self.check)
+
+
+def _resolve(function: RunFunction | str) -> RunFunction:
+    if callable(function):
+        return function
+    module, _, attribute = function.partition(":")
+    return getattr(importlib.import_module(module), attribute)
 
 
 # -- the registry: pipelines a model.py can name ---------------------------------------------------

@@ -1,8 +1,8 @@
 """The orchestrators' Prometheus metrics, served by Triton's metrics endpoint next to ``nv_*``.
 
 All families are declared here, once, with names starting ``bls_``; every metric is labelled
-with the orchestrator's ``model`` name. The families are created through
-``pb_utils.MetricFamily`` (passed in, so this module imports without Triton).
+with the orchestrator's ``model`` name. They are registered and published through
+``backend.Backend`` (passed in, so this module imports without Triton).
 
 Each pb_utils metric call is an IPC round trip to the Triton process (``Stub::SendMessage`` waits
 for the server's answer, r24.10 ``metric.cc``), and a request used to make 13 of them. Nothing is
@@ -18,7 +18,8 @@ therefore sent per event:
   (``python -m bench.profile pipeline --concurrency 16 --stubs none``): observing per event cost
   0.5 ms of the stub's CPU and ~1 ms of tritonserver's per request.
 
-Only ``flush`` and ``close`` call pb_utils; ``increment`` and ``observe`` are local and thread-safe.
+Only ``flush`` and ``close`` reach the server; ``increment`` and ``observe`` are local and
+thread-safe.
 """
 
 from __future__ import annotations
@@ -36,8 +37,8 @@ FLUSH_SECONDS = 0.2  # how stale a scraped counter or gauge may be
 # 15 s or so.
 HISTOGRAM_FLUSH_SECONDS = 1.0
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
-GROUP_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 32)
-BUCKETS = {"bls_coalesced_group_size": GROUP_BUCKETS}  # other histograms: LATENCY_BUCKETS
+ROW_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 32)
+BUCKETS = {"bls_subrequest_rows": ROW_BUCKETS}  # other histograms: LATENCY_BUCKETS
 
 # name -> (kind, description)
 FAMILIES: dict[str, tuple[str, str]] = {
@@ -60,8 +61,14 @@ FAMILIES: dict[str, tuple[str, str]] = {
         "COUNTER", "Requests cancelled by the client, by the stage they were stopped before"),
     "bls_inflight_requests": (
         "GAUGE", "Requests being orchestrated right now"),
-    "bls_coalesced_group_size": (
-        "HISTOGRAM", "Rows per sub-request sent to a stage, with coalescing on"),
+    "bls_subrequest_rows": (
+        "HISTOGRAM", "Rows per sub-request sent to a stage (a group's stacked requests)"),
+    "bls_detached_requests_total": (
+        "COUNTER", "Requests execute stopped waiting for (slower than the hold, or waiting for a "
+                   "slot): answered later through their response senders"),
+    "bls_isolated_requests_total": (
+        "COUNTER", "Requests re-run alone because their group failed with an error one request "
+                   "may cause"),
     "bls_inflight_subrequests": (
         "GAUGE", "Sub-requests sent to a sub-model and not yet answered, abandoned ones "
                  "included (at most subrequest_threads per instance)"),
@@ -106,12 +113,14 @@ def known_series(stages) -> list[tuple[str, dict[str, str]]]:
     """Every (family, labels) an orchestrator with these stages can produce. They are created at
     load, at 0, as Prometheus expects of a known label set: ``rate()`` and dashboards then see
     a series before its first event, not only after it."""
-    per_stage = ("bls_stage_latency_seconds", "bls_coalesced_group_size",
+    per_stage = ("bls_stage_latency_seconds", "bls_subrequest_rows",
                  "bls_deadline_exceeded_total",
                  "bls_abandoned_subrequests_total", "bls_abandoned_subrequests_completed_total",
                  "bls_cancelled_requests_total")
     series = [(family, {}) for family in ("bls_request_latency_seconds", "bls_inflight_requests",
-                                          "bls_inflight_subrequests")]
+                                          "bls_inflight_subrequests",
+                                          "bls_detached_requests_total",
+                                          "bls_isolated_requests_total")]
     series += [("bls_requests_total", {"code": code}) for code in REQUEST_CODES]
     series.append(("bls_deadline_exceeded_total", {"stage": ADMISSION}))
     for stage in stages:
@@ -135,23 +144,22 @@ class Metrics:
     """The families and series of one orchestrator instance.
 
     ``increment`` and ``observe`` only add to what is pending, under this object's own lock, from
-    any thread; they never call pb_utils. ``flush`` publishes (one pb_utils round trip per
+    any thread; they never reach the server. ``flush`` publishes (one pb_utils round trip per
     changed series) with no lock held. A publication that fails keeps what it could not publish
     for the next flush: nothing is lost, and what is kept is bounded by the number of series."""
 
-    def __init__(self, pb_utils, model: str, stages=()) -> None:
-        self._pb = pb_utils
+    def __init__(self, backend, model: str, stages=()) -> None:
+        self._backend = backend
         self._model = model
-        kinds = {"COUNTER": pb_utils.MetricFamily.COUNTER, "GAUGE": pb_utils.MetricFamily.GAUGE}
         self._families = {
-            name: pb_utils.MetricFamily(name=name, description=FAMILIES[family][1],
-                                        kind=kinds[kind])
+            name: backend.metric_family(name, FAMILIES[family][1], kind)
             for family in FAMILIES for name, kind in exposed(family)}
         self._metrics: dict[tuple, object] = {}
         self._lock = threading.Lock()
         self._pending: dict[tuple, float] = {}  # counter/gauge increments not yet published
         self._observed: dict[tuple, _Observations] = {}  # histograms, not yet published
         self._unsent: dict[tuple, float] = {}  # series increments a failed flush did not publish
+        self._watched: dict[tuple, list] = {}  # gauges read when published: [read, published]
         for family, labels in known_series(stages):
             if FAMILIES[family][0] == "HISTOGRAM":
                 for bound in bounds(family):
@@ -166,35 +174,50 @@ class Metrics:
         metric = self._metrics.get(key)
         if metric is None:
             name, *labels = key
-            metric = self._metrics[key] = self._families[name].Metric(
-                labels={"model": self._model, **dict(labels)})
+            metric = self._metrics[key] = self._backend.metric(
+                self._families[name], {"model": self._model, **dict(labels)})
         return metric
+
+    @staticmethod
+    def key(family: str, **labels: str) -> tuple:
+        """A series' key, for ``record`` (hot paths compute theirs once)."""
+        return (family, *sorted(labels.items()))
 
     def observe(self, family: str, value: float, **labels: str) -> None:
         """Histograms: kept locally, published by the next ``flush(histograms=True)``."""
-        key = (family, *sorted(labels.items()))
-        limits = bounds(family)
-        # The first bucket whose bound is >= value (Prometheus' `le`); +Inf takes the rest.
-        bucket = bisect.bisect_left(limits, value)
-        with self._lock:
-            pending = self._observed.get(key)
-            if pending is None:
-                pending = self._observed[key] = _Observations(len(limits))
-            pending.counts[bucket] += 1
-            pending.total += value
+        self.record(observations=((self.key(family, **labels), value),))
 
     def increment(self, family: str, value: float = 1.0, **labels: str) -> None:
         """Counters and gauges: added up locally, published by the next ``flush()``."""
-        key = (family, *sorted(labels.items()))
+        self.record(increments=((self.key(family, **labels), value),))
+
+    def record(self, increments=(), observations=()) -> None:
+        """Counter and gauge increments and histogram observations, ``(key, value)`` each,
+        under one lock."""
         with self._lock:
-            self._pending[key] = self._pending.get(key, 0.0) + value
+            for key, value in increments:
+                self._pending[key] = self._pending.get(key, 0.0) + value
+            for key, value in observations:
+                limits = _BOUNDS[key[0]]
+                pending = self._observed.get(key)
+                if pending is None:
+                    pending = self._observed[key] = _Observations(len(limits))
+                # The first bucket whose bound is >= value (Prometheus' `le`); +Inf the rest.
+                pending.counts[bisect.bisect_left(limits, value)] += 1
+                pending.total += value
+
+    def watch(self, family: str, read, **labels: str) -> None:
+        """A gauge whose value is ``read()`` when published: nothing is counted per event."""
+        self._watched[self.key(family, **labels)] = [read, 0.0]
 
     def pending(self, family: str, **labels: str) -> float:
         """What the series of ``family`` whose labels include ``labels`` have not published
         yet, summed (e.g. a gauge's drift while publication fails)."""
         wanted = set(labels.items())
         with self._lock:
-            return sum(value for store in (self._pending, self._unsent)
+            watched = {key: read() - published
+                       for key, (read, published) in self._watched.items()}
+            return sum(value for store in (self._pending, self._unsent, watched)
                        for (name, *found), value in store.items()
                        if name == family and wanted <= set(found))
 
@@ -208,6 +231,10 @@ class Metrics:
             observed, self._observed = (self._observed, {}) if histograms else ({}, self._observed)
         for key, value in pending.items():
             _add(series, key, value)
+        for key, watched in self._watched.items():
+            value = float(watched[0]())
+            _add(series, key, value - watched[1])
+            watched[1] = value
         for (family, *labels), values in observed.items():
             cumulative = 0
             for bound, count in zip(bounds(family), values.counts):
@@ -221,7 +248,7 @@ class Metrics:
         items = list(series.items())
         for index, (key, value) in enumerate(items):
             try:
-                self._metric(key).increment(value)
+                self._backend.increment(self._metric(key), value)
             except BaseException:
                 with self._lock:
                     for unsent, rest in items[index:]:
@@ -236,8 +263,7 @@ class Metrics:
         try:
             self.flush(histograms=True)
         finally:
-            self._metrics.clear()
-            self._families.clear()
+            self._backend.clear(self._metrics, self._families)
 
 
 def _sorted(labels: dict[str, str], **more: str) -> tuple:

@@ -60,16 +60,13 @@ MAX_QUEUED = Param(
     "once (shed load with the queue policy's `max_queue_size`)", minimum=0)
 SUBREQUEST_THREADS = Param(
     "subrequest_threads", "64",
-    "sub-requests waiting on sub-models at once, per instance; must stay below the python "
-    "backend's `thread-pool-size` (96 as launched)", minimum=1)
+    "threads per instance that run its groups and their sub-requests, so sub-requests waiting "
+    "on sub-models at once; must stay below the python backend's `thread-pool-size` (96 as "
+    "launched)", minimum=1)
 STAGE_MODEL_REPOSITORIES = Param(
     "stage_model_repositories", "",
     "more repositories (comma-separated paths) in which the load-time check looks for stage "
     "models, for servers started with several `--model-repository`", listed=False)
-CONCURRENCY_MODE = Param(
-    "concurrency_mode", "event_loop",
-    "`batch_gather` makes `execute` wait for its batch (measured alternative only)",
-    choices=("event_loop", "batch_gather"), listed=False)
 GPU_TENSORS = Param(
     "gpu_tensors", "off",
     "`on`: outputs that only flow into later stages stay in GPU memory and go to the next stages "
@@ -77,29 +74,26 @@ GPU_TENSORS = Param(
     "([production.md](production.md#gpu-tensors-between-stages-gpu_tensors)); accepted only by "
     "pipelines with such outputs", choices=("off", "on"), listed=False)
 
-COALESCE = Param(
-    "coalesce", "on",
-    "`on`: requests that reach a stage while its sub-requests are out go to it together, as one "
-    "sub-request of up to the stage model's `max_batch_size` rows (docs/orchestrator.md, "
-    "\"Coalescing\"); a stage whose outputs stay on the GPU, or a sub-request whose inputs "
-    "are on the GPU, is not coalesced",
-    choices=("off", "on"))
-COALESCE_IN_FLIGHT = Param(
-    "coalesce_in_flight", "1",
-    "with `coalesce` on: sub-requests per stage out at once, per instance, before arrivals wait "
-    "to go together", minimum=1)
-
+# How long execute waits for its batch's answers: HOLD_FACTOR times the time a batch of its rows
+# is expected to take (the instance's recent batches' median time, or their median time per row
+# times its rows if longer), at least HOLD_FLOOR_MS (FIRST_HOLD_MS until it has seen a few), at
+# most return_within_ms. A batch slower than that is abnormal: its answers go through response
+# senders.
+HOLD_FACTOR = 4
+HOLD_FLOOR_MS = 5
+FIRST_HOLD_MS = 100
 RETURN_WITHIN = Param(
-    "return_within_ms", "20",
-    "`execute` waits up to this long for its batch's answers and returns those ready, in one "
-    "message to the server; the others are answered through their response senders when they "
-    "finish. 0: every answer through its sender "
-    "([orchestrator.md](orchestrator.md#answers-returned-from-execute-when-ready-return_within_ms))",
+    "return_within_ms", "1000",
+    "the longest `execute` waits for its batch's answers: it waits up to "
+    f"{HOLD_FACTOR} times the time the recent batches say a batch of its rows takes (at least "
+    f"{HOLD_FLOOR_MS} ms), never "
+    "longer than this, and returns those ready in one message; any other is answered through "
+    "its response sender when it finishes. 0: every answer through its sender "
+    "([orchestrator.md](orchestrator.md#one-request-from-execute-to-its-answer))",
     minimum=0)
 
 COMMON: tuple[Param, ...] = (DEFAULT_DEADLINE, MAX_INFLIGHT, MAX_QUEUED, SUBREQUEST_THREADS,
-                             COALESCE, COALESCE_IN_FLIGHT, RETURN_WITHIN,
-                             STAGE_MODEL_REPOSITORIES, CONCURRENCY_MODE, GPU_TENSORS)
+                             RETURN_WITHIN, STAGE_MODEL_REPOSITORIES, GPU_TENSORS)
 
 
 def stage_parameters(stage: str, default_model: str) -> tuple[Param, Param]:
@@ -117,23 +111,20 @@ class Stage:
 
 @dataclass(frozen=True)
 class OrchestratorConfig:
+    """The parsed parameters (their defaults are the ``Param``s above)."""
+
     stages: dict[str, Stage]
     default_deadline_ms: int
     max_inflight_requests: int   # per instance: requests running at once
     max_queued_requests: int     # per instance: requests waiting for a slot; then execute waits
-    subrequest_threads: int      # per instance; sub-requests waiting on a sub-model at once
-    concurrency_mode: str        # "event_loop" (production) or "batch_gather" (measured alternative)
+    subrequest_threads: int      # per instance: threads running groups and their sub-requests
     # More model repositories in which to find the stage models' configs at load time, for
     # servers started with several --model-repository flags.
-    stage_model_repositories: tuple[str, ...] = ()
-    # "on": pass-through outputs stay where the sub-model put them, on its GPU, and go to the next
-    # stage by DLPack; "off": every output is copied to the orchestrator's CPU memory. "on" keeps
-    # the copy for stages whose model is not configured KIND_GPU, so it is safe everywhere.
-    gpu_tensors: bool = False
-    coalesce: bool = False
-    coalesce_in_flight: int = 2
-    # How long execute waits for its batch's answers, to return them (ms; 0: never).
-    return_within_ms: int = 0
+    stage_model_repositories: tuple[str, ...]
+    # Pass-through outputs stay where the sub-model put them (its GPU) and go to the next stage
+    # by DLPack, for stages whose model is KIND_GPU; otherwise every output is copied to the CPU.
+    gpu_tensors: bool
+    return_within_ms: int        # the longest execute waits for its batch's answers
     # The pipeline's own parameters (PipelineDef.parameters), parsed.
     options: dict[str, object] = field(default_factory=dict)
 
@@ -175,12 +166,9 @@ def parse(values: dict[str, str], accepted: tuple[Param, ...], stages: list[str]
         max_inflight_requests=parsed["max_inflight_requests"],
         max_queued_requests=parsed["max_queued_requests"],
         subrequest_threads=parsed["subrequest_threads"],
-        concurrency_mode=parsed["concurrency_mode"],
         stage_model_repositories=tuple(
             p.strip() for p in parsed["stage_model_repositories"].split(",") if p.strip()),
-        gpu_tensors=parsed.get("gpu_tensors", "off") == "on",
-        coalesce=parsed["coalesce"] == "on",
-        coalesce_in_flight=parsed["coalesce_in_flight"],
+        gpu_tensors=parsed.get("gpu_tensors", GPU_TENSORS.default) == "on",
         return_within_ms=parsed["return_within_ms"],
         options={name: value for name, value in parsed.items()
                  if name not in _COMMON_NAMES | stage_names},

@@ -1,22 +1,23 @@
 """What the orchestrators compute, with no Triton in sight.
 
-Each pipeline is an ``async`` function ``run(inputs, call, setup)`` over numpy arrays that reaches
-its sub-models only through ``call(stage, inputs, output_names)``; its ``PipelineDef`` in
-``spec`` names it. In the server that is the runtime's sub-request wrapper
-(deadline, error classification, metrics); in the unit tests it is a fake. A pipeline raises
-``PipelineError`` for anything the client should hear about.
+Each pipeline is an ``async`` function ``run(inputs, call, setup)`` over numpy arrays that
+reaches its sub-models only through ``await call(stage, inputs, output_names)`` and runs
+independent ones together with ``await gather_all(...)``; its ``PipelineDef`` in ``spec`` names
+it. The runtime drives it (``bls_models.flow``) and sends each sub-request; tests drive it with
+``flow.run`` over fake sub-models. A pipeline raises ``PipelineError`` for anything the client
+should hear about.
 """
 
 from __future__ import annotations
 
-import asyncio
 from typing import Awaitable, Callable, Protocol, Sequence
 
 import numpy as np
 
+from bls_models import flow
 from bls_models import spec as S
 from bls_models.definition import Setup
-from bls_models.errors import InvalidInput, PipelineError
+from bls_models.errors import InvalidInput
 
 
 # Computes a stage's result from its outputs where they arrive, without copying them first:
@@ -69,7 +70,9 @@ def reduce_tags(logits: np.ndarray, chunk: int = 32) -> tuple[np.ndarray, np.nda
     return tags, probs
 
 
-def validate_tokens(tokens: np.ndarray) -> None:
+def check_tokens(inputs: dict[str, np.ndarray]) -> None:
+    """``tag_pipeline``'s check of one request: every token id in the vocabulary."""
+    tokens = inputs[S.TOKENS.name]
     if tokens.size and (tokens.min() < 0 or tokens.max() >= S.TAGGER_VOCAB):
         bad = tokens[(tokens < 0) | (tokens >= S.TAGGER_VOCAB)]
         raise InvalidInput(
@@ -79,19 +82,16 @@ def validate_tokens(tokens: np.ndarray) -> None:
 
 async def image_pipeline(inputs: dict[str, np.ndarray], call: SubModelCall,
                          setup: Setup = Setup()) -> dict[str, np.ndarray]:
-    """IMAGE -> preprocess -> (classifier || embedder) -> CLASS_IDS, CLASS_PROBS, EMBEDDING.
-
-    ``setup.options["fanout"]``: "concurrent" (default) or "sequential" (benchmark baseline).
-    """
+    """IMAGE -> preprocess -> (classifier || embedder) -> CLASS_IDS, CLASS_PROBS, EMBEDDING."""
     pixels = (await call("preprocess", {S.IMAGE.name: inputs[S.IMAGE.name]},
                          [S.PIXELS.name]))[S.PIXELS.name]
-    branches = (call("classifier", {S.PIXELS.name: pixels}, [S.CLASS_LOGITS.name]),
-                call("embedder", {S.PIXELS.name: pixels}, [S.EMBEDDING.name]))
-    if setup.options.get("fanout") == "sequential":  # one branch after the other
-        classified, embedded = [await branch for branch in branches]
-    else:
-        classified, embedded = await gather_all(*branches)
-    ids, probs = softmax_top_k(classified[S.CLASS_LOGITS.name])
+
+    async def classify():  # top-5 while the embedder runs
+        logits = await call("classifier", {S.PIXELS.name: pixels}, [S.CLASS_LOGITS.name])
+        return softmax_top_k(logits[S.CLASS_LOGITS.name])
+
+    (ids, probs), embedded = await gather_all(
+        classify(), call("embedder", {S.PIXELS.name: pixels}, [S.EMBEDDING.name]))
     return {S.CLASS_IDS.name: ids, S.CLASS_PROBS.name: probs,
             S.EMBEDDING.name: embedded[S.EMBEDDING.name]}
 
@@ -108,42 +108,34 @@ async def tag_pipeline(inputs: dict[str, np.ndarray], call: SubModelCall,
     The 28.7 MB-per-sequence logits never leave the server. When the tagger stage's model meets
     the ``tagger_tags`` contract (the default; ``setup.contracts``), it computes TAGS and
     TAG_PROBS in its own graph, so the logits never leave ONNX Runtime either. A model with the
-    tagger's LOGITS instead has them reduced as they arrive, off the event loop, from the copy
-    the python backend makes of every sub-response output (``subrequests.owns_memory``); no
-    copy of them is made here.
+    tagger's LOGITS instead has them reduced as they arrive, on the sub-request's thread, from
+    the copy the python backend makes of every sub-response output; no copy of them is made
+    here. The token ids were checked per request (``check_tokens``).
     """
     tokens = inputs[S.TOKENS.name]
-    validate_tokens(tokens)
     if S.reduces_tags(setup.contracts.get("tagger", S.TAGGER_TAGS)):
         return await call("tagger", {S.TOKENS.name: tokens}, [S.TAGS.name, S.TAG_PROBS.name])
     return await call("tagger", {S.TOKENS.name: tokens}, [S.TAG_LOGITS.name],
                       reduce=_reduce_tagger_outputs)
 
 
-async def gather_all(*awaitables: Awaitable) -> list:
-    """Await every branch to the end, then raise the first failure.
-
-    Unlike a bare ``asyncio.gather``, no branch is left running unobserved when another fails:
-    every sub-request a request issued is accounted for before the request is answered.
-    """
-    results = await asyncio.gather(*awaitables, return_exceptions=True)
-    for result in results:
-        if isinstance(result, PipelineError):
-            raise result
-    for result in results:
-        if isinstance(result, BaseException):
-            raise result
-    return results
+def gather_all(*awaitables: Awaitable) -> Awaitable[list]:
+    """Await every branch to the end, then raise the first ``PipelineError`` among their
+    failures (else the first other failure); their results in order otherwise. Unlike a bare
+    ``asyncio.gather``, no branch is left running unobserved when another fails: every
+    sub-request a request issued is accounted for before the request is answered."""
+    return flow.gather(*awaitables)
 
 
-class _ContractCall:
-    """A ``call`` that holds each sub-request to the contract its stage's model meets and answers
-    with zeros of the contract's shapes (``contract_problems``)."""
+class _ContractSend:
+    """Sends each sub-request to a stand-in that holds it to the contract its stage's model meets
+    and answers zeros of the contract's shapes (``contract_problems``)."""
 
     def __init__(self, contracts: dict[str, S.ModelSpec]) -> None:
         self.contracts, self.problems, self.stages = contracts, [], set()
 
-    async def __call__(self, stage, inputs, outputs, reduce=None):
+    def __call__(self, sub: flow.SubRequest):
+        stage, inputs, outputs, reduce = sub.stage, sub.inputs, sub.outputs, sub.reduce
         contract = self.contracts.get(stage)
         if contract is None:
             raise AssertionError(f"a sub-request to stage '{stage}', which the pipeline lacks")
@@ -172,7 +164,8 @@ class _ContractCall:
 
 def contract_problems(definition, batch: int = 1) -> list[str]:
     """Run ``definition`` once for every combination of the contracts its stage models may meet,
-    on zeros and a fake ``call``, and say what breaks its contracts: a sub-request with a tensor
+    on zeros (its check first) through the runtime's driver and stand-in sub-models, and say
+    what breaks its contracts: a sub-request with a tensor
     name, shape or dtype its stage's contract lacks, a stage never called, an output missing or of
     the wrong shape or dtype. Run by ``python -m modelgen.configs --pipeline`` and the tests; no
     server needed."""
@@ -182,12 +175,15 @@ def contract_problems(definition, batch: int = 1) -> list[str]:
     stages = list(definition.contracts)
     for chosen in itertools.product(*definition.contracts.values()):
         contracts = dict(zip(stages, chosen))
-        call = _ContractCall(contracts)
+        call = _ContractSend(contracts)
         inputs = {t.name: np.zeros((batch, *t.dims), S.DTYPES[t.dtype]) for t in definition.inputs}
         setup = Setup(options=definition.parse({}).options, contracts=contracts)
         where = ", ".join(f"{s} like '{c.name}'" for s, c in contracts.items())
         try:
-            outputs = asyncio.run(definition.run_function()(inputs, call, setup))
+            check = definition.check_function()
+            if check is not None:
+                check(inputs)
+            outputs = flow.run(definition.run_function()(inputs, flow.SubRequest, setup), call)
         except Exception as error:  # noqa: BLE001 - reported, with the contracts it ran under
             problems.append(f"with {where}: the pipeline raised {type(error).__name__}: {error}")
             continue

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from bls_models import params
 from bls_models.definition import (BatchingSpec, EnsembleStep, ModelSpec, PipelineDef,  # noqa: F401
                                    StageDef, TensorSpec, register)
 
@@ -144,11 +143,6 @@ def reduces_tags(contract: ModelSpec) -> bool:
 
 # The BLS orchestrators: one definition each (bls_models/definition.py). Their ModelSpecs, config
 # parameters and defaults, stage checks and metric series all derive from these.
-FANOUT = params.Param(
-    "fanout", "concurrent",
-    "`sequential` awaits the branches one after the other (benchmark baseline only)",
-    choices=("concurrent", "sequential"), listed=False)
-
 PIPELINE_DEF = PipelineDef(
     name="pipeline",
     inputs=(IMAGE,),
@@ -160,7 +154,6 @@ PIPELINE_DEF = PipelineDef(
             StageDef("embedder", (EMBEDDER,))),
     run="bls_models.pipelines:image_pipeline",
     max_batch_size=16,
-    parameters=(FANOUT,),
     description="BLS: preprocess, then classifier and embedder concurrently; top-5 + embedding",
 )
 TAG_PIPELINE_DEF = PipelineDef(
@@ -172,6 +165,8 @@ TAG_PIPELINE_DEF = PipelineDef(
     # measured slower). The load-time check decides which contract the configured model meets.
     stages=(StageDef("tagger", (TAGGER_TAGS, TAGGER)),),
     run="bls_models.pipelines:tag_pipeline",
+    # Token ids are checked per request, before its rows are stacked with others'.
+    check="bls_models.pipelines:check_tokens",
     max_batch_size=4,
     # With a LOGITS tagger as the stage model, each response holding 28.7 MB per sequence sits in
     # this stub's shared memory until reduced: the thread count bounds that (8 x 4 x 28.7 MB).

@@ -1,186 +1,134 @@
-"""Runs a pipeline inside a Triton python-backend model: the wiring of the runtime.
+"""Runs a pipeline inside a Triton python-backend model: ``execute``, its groups, shutdown.
 
-The runtime is three parts, and only they use ``pb_utils``:
-
-* this module: ``execute`` (turns requests into jobs), the event loop on its own thread that
-  runs each job's pipeline, metrics flushing, shutdown, and ``python_model`` (a model.py's class);
-* ``subrequests.SubRequests``: the sub-request wrapper a pipeline calls (deadline, abandonment,
-  device-tensor lifetime);
-* ``responder.Responder``: exactly one answer per request, whatever raises; admission with
-  deadlines; the requests pending.
-
-**The invariant.** Every request that reaches ``execute`` gets exactly one final response,
-whatever raises — in any pb_utils call, in the run function, in the coalescer, at shutdown —
-and ``execute`` itself never raises (in r24.10 an exception out of ``execute`` makes the backend
-delete the response factory of every request in the batch, answered ones included:
-``python_be.cc``). Failures of the orchestrator's own code are answered INTERNAL with a short
-message naming the stage; the details go to the log only.
-
-Design (docs/orchestrator.md has the measurements behind it):
-
-* **Concurrency.** In Triton 2.51 a non-decoupled model's ``execute`` — async or not — is not
-  re-entered until it returns, so a request waiting on a slow sub-model would hold up every
-  request behind it. Here ``execute`` only takes each request's inputs, deadline and response
-  sender, hands the request to an event loop this object owns (on its own thread), and returns
-  once the answers of its batch are ready or ``return_within_ms`` has passed, whichever is
-  first. The answers ready by then are returned from ``execute`` (r24.10 sends them to the
-  server in one message; each ``send`` is a round trip of its own); every other request is
-  answered later, exactly once, through its response sender, so a slow request holds its
-  instance for ``return_within_ms`` at most. Plain unary HTTP and gRPC clients work unchanged
-  (the model is not decoupled).
-* **Groups.** The requests that get a slot together — the requests of one ``execute`` batch, as
-  Triton's dynamic batcher formed it, as a rule — run as one group when they share a deadline,
-  input shapes and dtypes and requested outputs (``responder.group_key``), up to ``group_rows``
-  rows (this model's ``max_batch_size``, and no more than every stage model takes): one task, one
-  run of the pipeline on their stacked rows, one sub-request per stage; each member is answered
-  from its own rows. Each keeps its semantics: its deadline (a group's members share it), its
-  cancellation (a cancelled member is answered at once; its rows go on with the group's),
-  exactly one answer, its request id (a group's sub-requests carry its members' ids,
-  comma-separated), its metrics. A failure one item may cause — a bad input (``Kind.INVALID``,
-  the run function's ``InvalidInput`` or a sub-model's), a bug of the run function — re-runs each
-  member alone, once, within an isolation budget; a failure of a stage as a whole does not.
-* **Sub-requests.** ``InferenceRequest.exec`` blocks its thread until the sub-model answers, so
-  each in-flight sub-request runs on a thread of a dedicated pool (``subrequest_threads``,
-  instead of asyncio's default executor of ``min(32, cores + 4)`` threads).
-* **The pb_utils lock.** Using ``pb_utils`` from several threads at once crashed stubs under
-  bursts on this build. Python objects that wrap backend memory (tensors, requests, responses)
-  are created and destroyed under ``self.lock``, and so are the local reads of requests and
-  sub-responses. Round trips to the server are made with no lock held: ``exec`` (holding it
-  would serialise sub-requests), ``send``, ``is_cancelled`` and metric publication (holding it
-  stalled every sub-request thread behind one IPC). A started request's response sender is used
-  by the event loop's thread only, so no lock is needed to keep ``is_cancelled`` from meeting a
-  closed sender. A sub-response's outputs are turned into numpy arrays the stub owns (the python
-  backend's own copies, or reduced from them as the tagger's 28.7 MB logits are) on the
-  sub-request's thread while the response is still alive, so nothing that points into shared
-  memory outlives its owner.
-* **Deadlines** count from the request's arrival in ``execute``, before any wait for a slot
-  (r24.10 tells a model nothing of the time a request spent in Triton's own queue before
-  ``execute``; the queue policy applies the client's timeout there). Each sub-request gets the
-  request's remaining budget (capped by its stage's timeout) twice: as its Triton ``timeout``,
-  computed when a thread actually sends it (so the sub-model's queue drops it), and as a limit on
-  the wait here (so a sub-request that is already running cannot hold the request). A
-  sub-request given up on keeps its thread until the sub-model answers (r24.10 cannot cancel
-  it); it is counted as abandoned and its result dropped. One whose deadline passed before a
-  thread picked it up is never sent.
-* **GPU tensors** (``gpu_tensors: "on"``). Outputs that only flow into other stages (a
-  stage's ``pass_through`` in its ``PipelineDef``, e.g. preprocess's PIXELS) are left in the
-  memory the stage's instance produced them in (its GPU, whichever it is) and kept as a
-  ``DeviceTensor``: a DLPack-made ``pb_utils.Tensor`` that owns that GPU buffer, never
-  ``as_numpy()``-ed. It becomes the next stages' input by DLPack again; Triton gives each next
-  stage its own device-to-device copy, so the 602 KB per image never crosses to the host. Every
-  other output is requested in CPU memory and copied to numpy as before, and so is a
-  pass-through output that arrives in CPU memory (CPU-only host): the fallback. Device tensors
-  are released under the lock when their request is answered, or when an abandoned sub-request
-  that made them finishes.
-* **Admission.** At most ``max_inflight_requests`` requests per instance run at once; up to
-  ``max_queued_requests`` more wait in the runtime for a slot, each answered when its deadline
-  passes; beyond those ``execute`` waits (again at most until a deadline), so further requests
-  stay in Triton's bounded queue of this model (``responder.Responder``).
-* **Shutdown** (``finalize``) drains what is in flight (bounded), cancels the rest, stops the
-  event loop and the sub-request threads (bounded) and publishes the metrics on every path,
-  answers every request still pending, and makes sure no pb_utils call happens after it returns.
+The normal path is the plainest per-batch BLS: ``execute`` reads each request and runs the
+pipeline's per-request check, stacks the batch into groups, hands each group to a worker that
+steps the run function (``flow``) and sends one sub-request per stage (``subrequests``), and
+returns every answer once the batch is done (``answers``). What handles the abnormal sits beside
+it: a batch slower than the hold (``params.HOLD_FACTOR`` times the recent batches' time, at most
+``return_within_ms``) goes on with its answers sent, its deadlines kept by the clock and its
+cancellations checked before each stage; a failure one request may cause re-runs the members
+alone (``isolation``); ``admission`` bounds what runs. Every request that reaches ``execute``
+gets exactly one final response, whatever raises, and ``execute`` never raises.
+docs/orchestrator.md follows one request through it.
 """
 
 from __future__ import annotations
 
-import asyncio
-import functools
 import json
-import sys
 import threading
 import time
 import traceback
+from collections import deque
 from pathlib import Path
 
 import numpy as np
 
-from bls_models import params, repository
+from bls_models import flow, group as groups, params, repository
 from bls_models import spec as S
-from bls_models.coalescing import IsolationBudget
+from bls_models.admission import Admission
+from bls_models.answers import Answers, Batch, Job
+from bls_models.backend import Backend, DeviceTensor
+from bls_models.clock import Clock
 from bls_models.deadline import Deadline
 from bls_models.definition import PipelineDef, Setup, registered
-from bls_models.errors import Code, InvalidInput, Kind, PipelineError, internal_error
-from bls_models.metrics import FLUSH_SECONDS, HISTOGRAM_FLUSH_SECONDS, Metrics
-from bls_models.responder import Job, Responder, group, group_key, rows_of
-from bls_models.subrequests import SubRequests
+from bls_models.errors import (Cancelled, DeadlineExceeded, InvalidInput, Kind, PipelineError,
+                               SlotWaitExpired, internal_error)
+from bls_models.isolation import RESERVE_GROUPS, Budget, Exclusive, isolatable
+from bls_models.metrics import ADMISSION, FLUSH_SECONDS, HISTOGRAM_FLUSH_SECONDS, Metrics
+from bls_models.subrequests import SubRequests, shutting_down
+from bls_models.workers import Workers
 
 _NUMPY = {name: np.dtype(dtype) for name, dtype in S.DTYPES.items()}
-SHUTDOWN_DRAIN_SECONDS = 10.0   # finalize waits this long for requests in flight
-SHUTDOWN_CANCEL_SECONDS = 5.0   # then for their cancellation
-SHUTDOWN_LOOP_SECONDS = 10.0    # then for the event loop to stop (its round trips to return)
-SHUTDOWN_THREADS_SECONDS = 1.0  # then for sub-requests still out (a thread per sub-request)
-GATHER_SLACK_SECONDS = 1.0      # batch_gather: execute answers a job itself this long after its
-                                # deadline (the event loop answers it by then, as a rule)
+ANSWER_BUILT_SECONDS = 10.0     # execute waits this long at most for an answer being built
+SHUTDOWN_DRAIN_SECONDS = 10.0   # finalize waits this long for the sub-requests out to finish
+SHUTDOWN_THREADS_SECONDS = 1.0  # then for the threads (one may be stuck in a sub-model)
+HOLD_WINDOW = 64                # recent batches the hold is computed from
+
+
+class Hold:
+    """How long ``execute`` waits for a batch's answers: ``params.HOLD_FACTOR`` times the time a
+    batch of its rows is expected to take — the recent batches' median time, or their median time
+    per row times its rows if that is longer (a batch of 8 rows over CPU models takes several
+    times a batch of 1) — at least ``HOLD_FLOOR_MS``, at most ``return_within_ms``."""
+
+    def __init__(self, cap_ms: int) -> None:
+        self.cap = cap_ms / 1e3
+        self.durations: deque[float] = deque(maxlen=HOLD_WINDOW)
+        self.per_row: deque[float] = deque(maxlen=HOLD_WINDOW)
+        self.median: float | None = None
+        self.median_per_row = 0.0
+        self._seen = 0
+
+    def observe(self, seconds: float, rows: int) -> None:
+        self.durations.append(seconds)
+        self.per_row.append(seconds / max(rows, 1))
+        self._seen += 1
+        if self._seen % 8 == 0:
+            self.median = sorted(self.durations)[len(self.durations) // 2]
+            self.median_per_row = sorted(self.per_row)[len(self.per_row) // 2]
+
+    def seconds(self, rows: int) -> float:
+        if self.median is None:
+            return min(self.cap, params.FIRST_HOLD_MS / 1e3)
+        expected = max(self.median, self.median_per_row * rows)
+        return min(self.cap, max(params.HOLD_FLOOR_MS / 1e3, params.HOLD_FACTOR * expected))
 
 
 class Orchestrator:
     def __init__(self, pb_utils, args: dict, pipeline: PipelineDef | str) -> None:
-        self.pb = pb_utils
         self.model = args["model_name"]
         config = json.loads(args["model_config"])
+        self.backend = Backend(pb_utils, self.model)
         self.definition = pipeline if isinstance(pipeline, PipelineDef) else registered(pipeline)
+        if (config.get("model_transaction_policy") or {}).get("decoupled"):
+            raise params.ConfigError(f"orchestrator '{self.model}' answers one response per "
+                                     "request: remove model_transaction_policy { decoupled }")
         self.config = self.definition.parse(params.string_parameters(config))
         # This model's own repository first (the parent of its directory), then any others.
         repositories = [Path(args["model_repository"]).parent,
                         *(Path(p) for p in self.config.stage_model_repositories)]
         # Which contract each stage model meets decides, e.g., whether the tagger reduces.
-        self.contracts, problems = repository.resolve_stages(repositories, self.config.stages,
-                                                             self.definition.contracts)
+        contracts, problems = repository.resolve_stages(repositories, self.config.stages,
+                                                        self.definition.contracts)
         if problems:
             raise params.ConfigError("; ".join(problems))
         self.run = self.definition.run_function()
-        self.setup = Setup(options=self.config.options, contracts=self.contracts)
+        self.check = self.definition.check_function()
+        self.setup = Setup(options=self.config.options, contracts=contracts)
         self.input_names = [t["name"] for t in config["input"]]
-        # A decoupled model's execute must return None (r24.10 pb_stub.cc): every answer is sent.
-        self.decoupled = bool((config.get("model_transaction_policy") or {}).get("decoupled"))
-        self.hold = 0.0 if self.decoupled else self.config.return_within_ms / 1e3
-        # execute waits for its batch's answers: for return_within_ms, or (batch_gather) all.
-        self.gather = self.config.concurrency_mode == "batch_gather"
-        self.waits = self.gather or self.hold > 0
+        self.output_dtypes = {t["name"]: _NUMPY[t["data_type"]] for t in config["output"]}
+        self.first_stage = self.definition.stages[0].name
         # The most rows run as one group: this model's batch, and what every stage takes.
         stage_rows = repository.stage_max_batch(repositories, self.config.stages)
         self.group_rows = min([max(1, int(config.get("max_batch_size", 0)))]
                               + [rows for rows in stage_rows.values() if rows > 0])
-        # Re-runs of a failed group's members, one by one (``_answer_members``).
-        self.isolation = IsolationBudget(self.group_rows)
-        self.output_dtypes = {t["name"]: _NUMPY[t["data_type"]] for t in config["output"]}
         # gpu_tensors: a stage's pass-through outputs stay on the GPU only if its model is
-        # configured KIND_GPU (the GPU profiles). Asking a CPU instance for GPU output memory
-        # fails the sub-request ("BackendMemory::Create, all allocation types failed", verified
-        # on this build), so KIND_AUTO/KIND_CPU stages (the portable repository, CPU hosts) keep
-        # the copy: the fallback.
+        # configured KIND_GPU. Asking a CPU instance for GPU output memory fails the sub-request
+        # ("BackendMemory::Create, all allocation types failed"), so other stages keep the copy.
         kinds = repository.stage_kinds(repositories, self.config.stages)
         self.pass_through = {
             stage: names for stage, names in self.definition.pass_through.items()
             if self.config.gpu_tensors and kinds.get(stage) == {"KIND_GPU"}}
 
-        # Re-entrant: logging (a pb_utils call) takes it too, also from code that holds it.
-        self.lock = threading.RLock()
-        # Set under the lock as finalize ends: no pb_utils call any more, from any thread.
-        self.finalized = threading.Event()
-        self.metrics = Metrics(pb_utils, self.model, stages=list(self.config.stages))
+        self.log = self.backend.log
+        self.metrics = Metrics(self.backend, self.model, stages=list(self.config.stages))
         self.metrics_failing = False
-        self.tasks: set[asyncio.Task] = set()
-        self.cancelling = False  # shutdown cancels what runs (event loop only)
-        self.loop = asyncio.new_event_loop()
-        self.responder = Responder(pb_utils, self.lock, self.metrics, self.output_dtypes,
-                                   self.config.max_inflight_requests, self.model, self.log,
-                                   self.finalized, self.config.max_queued_requests)
-        self.subrequests = SubRequests(
-            pb_utils, self.lock, self.loop, self.metrics, self.config, self.pass_through,
-            self.model, self.log, self.finalized,
-            max_rows=stage_rows,
-            # Every instance of this model shares it (their stub processes serve one directory).
-            lock_key=str(Path(args["model_repository"]).resolve()))
+        self.subrequests = SubRequests(self.backend, self.config, self.metrics, self.pass_through,
+                                       self.model, self.log)
+        self.answers = Answers(self.backend, self.metrics, self.output_dtypes, self.model,
+                               self.log, self._answered)
+        self.admission = Admission(self.config.max_inflight_requests,
+                                   self.config.max_queued_requests)
+        self.hold = Hold(self.config.return_within_ms)
+        self.budget = Budget(RESERVE_GROUPS * self.group_rows)
+        # Every instance of this model shares it (their stub processes serve one directory).
+        self.exclusive = Exclusive(f"{Path(args['model_repository']).resolve()}\0{self.model}")
         self.log(f"orchestrating '{self.definition.name}': " + ", ".join(
-            f"{s.name} -> {s.model} (as {self.contracts[s.name].name})"
+            f"{s.name} -> {s.model} (as {contracts[s.name].name})"
             + (f" (timeout {s.timeout_ms} ms)" if s.timeout_ms else "")
             for s in self.config.stages.values())
-            + f"; default deadline {self.config.default_deadline_ms} ms, "
-            f"{self.config.concurrency_mode}"
-            + (f", coalescing {', '.join(self.subrequests.coalescers) or 'no stage'} "
-               f"({self.config.coalesce_in_flight} in flight per stage)"
-               if self.config.coalesce else "")
+            + f"; default deadline {self.config.default_deadline_ms} ms, groups of up to "
+            f"{self.group_rows} rows, execute waits up to {self.config.return_within_ms} ms"
             + "".join(f", {name} {value}" for name, value in self.config.options.items()))
         if self.config.gpu_tensors:
             kept = [f"{stage}'s {', '.join(names)}" for stage, names in self.pass_through.items()]
@@ -191,250 +139,423 @@ class Orchestrator:
                      + (f"; copied to CPU (stage model not KIND_GPU): {', '.join(copied)}"
                         if copied else ""))
         # Last: every pb_utils call of initialize is made before a second thread exists.
-        self.thread = threading.Thread(target=self.loop.run_forever, name=f"{self.model}-loop",
-                                       daemon=True)
-        self.loop.call_soon(self._flush_metrics)
-        self.thread.start()
+        self.workers = Workers(self.config.subrequest_threads, f"{self.model}-worker", self.log)
+        self.clock = Clock(self.model, self.log)
+        self.clock.at(time.monotonic() + FLUSH_SECONDS, self._flush_metrics, 0.0)
 
     # -- execute (the stub's main thread) ---------------------------------------------------
     def execute(self, requests):
-        """Take every request of the batch, admit each (waiting for a slot at most until its
-        deadline) and hand it to the event loop. Never raises: a request that cannot be read
-        or run is answered here; one whose response sender cannot be had is answered through
-        the list returned (``None`` when there is none, the usual case)."""
+        """Answer the batch: read and check each request, run the batch as groups, and return
+        the answers once it is done; what is not done within the hold is answered later through
+        response senders. Never raises."""
         arrived = time.monotonic()
+        batch = Batch()
         jobs: list[Job] = []
         try:
             for request in requests:
-                jobs.append(self._receive(request, arrived))
-            ready = []
-            for job in jobs:
-                if job.failure is None:
-                    ready.append(job)
-                else:
-                    self.responder.answer(job, error=job.failure)
-            if self.waits:  # execute waits for its batch's answers and returns them
-                for job in ready:
-                    job.done, job.by_return = threading.Event(), not self.decoupled
-            self.responder.admit(ready, self._start)
-            if self.waits:
-                self._gather(ready, None if self.gather else arrived + self.hold)
-        except BaseException:  # noqa: BLE001 - execute must not raise (see the module docstring)
+                jobs.append(self._receive(request, arrived, batch))
+            ready = [job for job in jobs if not job.answered]
+            self.answers.received(batch, ready)
+            if ready:
+                queued = self.admission.take(ready, self._start, self._expire)
+                self._detach(queued)  # no answer can come before a slot does
+                # At capacity, requests wait behind this batch: execute must not hold them.
+                hold = (0.0 if self.admission.full()
+                        else self.hold.seconds(sum(job.rows for job in ready)))
+                self._wait(batch, ready, arrived + hold)
+        except BaseException:  # noqa: BLE001 - execute must not raise (python_be.cc deletes every factory)
             self.log(f"execute failed:\n{traceback.format_exc()}", error=True)
-            jobs += [Job(Deadline.for_request(0, 0, arrived), arrived, by_return=True)
-                     for _ in requests[len(jobs):]]
-            for job in jobs:
-                if not job.started:
-                    self.responder.answer(job, error=internal_error(self.model))
-            if any(job.by_return and job.started for job in jobs):
-                self._gather([job for job in jobs if job.by_return and job.started], arrived)
-        returned = [job.returned for job in jobs]
+            for request in requests[len(jobs):]:
+                job = Job(request, Deadline.for_request(0, 0, arrived), arrived, batch)
+                batch.waiting += 1
+                jobs.append(job)
+                self.answers.answer(job, error=internal_error(self.model))
+            self.answers.received(batch, [])
+            self._detach(jobs)
+        if not batch.wait(ANSWER_BUILT_SECONDS):
+            self.log("an answer being built did not come", error=True)
+        returned = []
+        for job in jobs:
+            job.request = None
+            returned.append(None if job.held is None else self.backend.take(job.held))
+            job.held = None
         return returned if any(response is not None for response in returned) else None
 
-    def _gather(self, jobs: list[Job], until: float | None) -> None:
-        """Wait for the answers of ``jobs`` (started with ``by_return``) until ``until``
-        (``time.monotonic``); those answered by then are in ``job.returned``, for ``execute`` to
-        return, and the others are answered through their senders when they finish
-        (``Responder.to_senders``). ``until`` None (batch_gather): wait for every answer; the
-        event loop gives each by its deadline, and should it not, within
-        ``GATHER_SLACK_SECONDS`` more, the job is answered here. Never raises."""
-        try:
-            for job in jobs:
-                end = until if until is not None else (job.deadline.end + GATHER_SLACK_SECONDS)
-                if not job.done.wait(max(0.0, end - time.monotonic())) and until is None:
-                    self.responder.answer(job, error=PipelineError(
-                        Code.UNAVAILABLE, f"model '{self.model}' did not answer within the "
-                        "request's deadline", kind=Kind.DEADLINE))
-            # An answer claimed before the lock decided is being built: it comes at once.
-            for job in self.responder.to_senders(jobs):
-                if not job.done.wait(SHUTDOWN_LOOP_SECONDS):
-                    self.log(f"the answer of '{job.request_id}' did not come", error=True)
-        except BaseException:  # noqa: BLE001 - execute must not raise
-            self.log(f"waiting for answers failed:\n{traceback.format_exc()}", error=True)
-
-    def _receive(self, request, arrived: float) -> Job:
-        """A job for ``request``; never raises. What cannot be read makes it a failed job
-        (answered at once), its reason logged."""
-        job = Job(Deadline.for_request(0, self.config.default_deadline_ms, arrived), arrived)
-        with self.lock:
+    def _receive(self, request, arrived: float, batch: Batch) -> Job:
+        """A job for ``request``, answered at once if it cannot run; never raises."""
+        job = Job(request, None, arrived, batch)
+        batch.waiting += 1
+        got = self.backend.read(request, self.input_names, self.log)
+        job.request_id = got.request_id
+        job.deadline = Deadline.for_request(got.timeout_us or 0, self.config.default_deadline_ms,
+                                            arrived)
+        if got.failure is not None:
+            missing = got.failure.startswith("missing:")
+            self.answers.answer(job, error=InvalidInput(
+                f"the request has no input '{got.failure[len('missing:'):]}'") if missing
+                else internal_error(self.model))
+            return job
+        job.inputs = got.inputs
+        job.rows = len(next(iter(got.inputs.values())))
+        job.outputs = [n for n in got.outputs if n in self.output_dtypes] or list(self.output_dtypes)
+        if self.check is not None:
             try:
-                job.sender = request.get_response_sender()
-            except Exception:  # noqa: BLE001 - answered through execute's return value
-                self.log(f"could not get a response sender:\n{traceback.format_exc()}",
+                self.check(job.inputs)
+            except PipelineError as error:
+                self.answers.answer(job, error=error)
+            except Exception:  # noqa: BLE001 - a bug of the check: INTERNAL, logged
+                self.log(f"the check of '{job.request_id}' failed:\n{traceback.format_exc()}",
                          error=True)
-                job.by_return = True
-                job.failure = internal_error(self.model)
-            try:
-                job.request_id = request.request_id()
-            except Exception:  # noqa: BLE001 - the request goes on without its id
-                self.log(f"could not read a request id:\n{traceback.format_exc()}", error=True)
-            try:
-                job.deadline = Deadline.for_request(int(request.timeout()),
-                                                    self.config.default_deadline_ms, arrived)
-            except Exception:  # noqa: BLE001 - the default deadline applies
-                self.log(f"could not read the timeout of '{job.request_id}':\n"
-                         f"{traceback.format_exc()}", error=True)
-            if job.failure is not None:
-                return job
-            try:
-                for name in self.input_names:
-                    tensor = self.pb.get_input_tensor_by_name(request, name)
-                    if tensor is None:
-                        job.failure = InvalidInput(f"the request has no input '{name}'")
-                        return job
-                    # A copy: nothing of the request's memory is used after execute returns.
-                    job.inputs[name] = np.array(tensor.as_numpy(), copy=True)
-                    del tensor
-                job.rows = len(next(iter(job.inputs.values())))
-                job.outputs = [n for n in request.requested_output_names()
-                               if n in self.output_dtypes] or list(self.output_dtypes)
-            except Exception:  # noqa: BLE001 - core validated the request: this is not its fault
-                self.log(f"could not read request '{job.request_id}':\n{traceback.format_exc()}",
-                         error=True)
-                job.failure = internal_error(self.model)
-        # Not request.trace(): the request (and its trace) is released when execute returns,
-        # and a sub-request spawned from that trace later segfaults Triton 2.51 when tracing is
-        # on (verified). Sub-requests carry the request id instead.
+                self.answers.answer(job, error=internal_error(self.model))
         return job
 
-    def _start(self, jobs: list[Job]) -> None:
-        """Hand admitted jobs to the event loop in one call (their tasks start in the same loop
-        turn, so their first sub-requests can go as one group); from then on the loop owns
-        their senders."""
-        for job in jobs:
-            job.started = True
+    def _wait(self, batch: Batch, jobs: list[Job], hold_end: float) -> None:
+        """Wait for the answers of ``jobs`` until ``hold_end``; a job whose deadline passes
+        meanwhile is answered then, through its sender (its answer must not wait for the
+        batch). Then let the rest go to their senders."""
+        while not batch.done:
+            now = time.monotonic()
+            live = [job for job in jobs if not job.answered and job.returning]
+            if not live or now >= hold_end:
+                break
+            earliest = min(job.deadline.end for job in live)
+            if earliest <= now:
+                self._detach([job for job in live if job.deadline.end <= now])
+                continue
+            batch.wait(min(hold_end, earliest) - now)
+        self._detach(jobs)
+
+    def _detach(self, jobs: list[Job]) -> None:
+        """``execute`` stops waiting for ``jobs``: those not answered yet go to their response
+        senders (their deadlines to the clock, their groups to cancellation checks); one whose
+        sender cannot be had is answered INTERNAL now."""
+        late = [job for job in jobs if not job.answered and job.returning]
+        if late:
+            for job in late:
+                try:
+                    job.sender = self.backend.sender(job.request)
+                except Exception:  # noqa: BLE001 - it is answered through execute's list instead
+                    self.log(f"could not get the response sender of '{job.request_id}':\n"
+                             f"{traceback.format_exc()}", error=True)
+            detached = self.answers.detach(late)
+            self.metrics.increment("bls_detached_requests_total", len(detached))
+            now = time.monotonic()
+            for job in detached:
+                if job.group is not None:
+                    job.group.detached = True
+                if job.deadline.end <= now:
+                    self._deadline(job)
+                else:
+                    job.timer = self.clock.at(job.deadline.end, self._deadline, job)
+            for job in late:
+                if job.sender is None:
+                    self.answers.answer(job, error=internal_error(self.model))
+
+    # -- slots and deadlines ------------------------------------------------------------------
+    def _start(self, jobs: list[Job], waited: bool = False) -> None:
+        """Jobs got slots (at once, or after waiting in the queue): their groups go to the
+        workers (a job answered meanwhile, at its deadline, is not started)."""
+        jobs = [job for job in jobs if not job.answered]
         try:
-            self.loop.call_soon_threadsafe(self.responder.enter, jobs, self._run, self.loop)
-        except Exception:  # noqa: BLE001 - the loop is closed: the model is unloading
-            for job in jobs:
-                job.started = False
-                self.responder.answer(job, error=self._shutting_down())
-
-    def _run(self, jobs: list[Job]) -> None:
-        """Jobs got slots (event loop): those that can go together (``responder.group_key``:
-        the requests of one ``execute`` batch, as a rule) run as groups of at most
-        ``group_rows`` rows, one task per group. Once shutdown cancels what is running, they
-        are answered instead of started."""
-        if self.cancelling:
-            for job in jobs:
-                self.responder.answer(job, error=self._shutting_down())
-            self.responder.leave(jobs, None)  # no hand-over: shutdown answers the others
-            return
-        handed: set[int] = set()
-
-        def start(members: list[Job]) -> None:
-            job = group(members)
-            if job.members is not None:
-                job.drop = self._drop
-            self.loop.create_task(self._answer(job))
-            handed.update(id(member) for member in members)
-
-        try:
-            groups: dict[tuple, tuple[list[Job], int]] = {}  # key -> (members, their rows)
-            for job in jobs:
-                key = group_key(job)
-                members, rows = groups.get(key, ([], 0))
-                if members and rows + job.rows > self.group_rows:
-                    start(members)
-                    members, rows = [], 0
-                groups[key] = (members + [job], rows + job.rows)
-            for members, _ in groups.values():
-                start(members)
-        except Exception:  # noqa: BLE001 - e.g. stacking the rows failed: the rest go alone
+            formed = groups.form(jobs, self.group_rows, self.first_stage)
+        except Exception:  # noqa: BLE001 - e.g. stacking the rows failed: the orchestrator's bug
             self.log(f"grouping requests failed:\n{traceback.format_exc()}", error=True)
             for job in jobs:
-                if id(job) not in handed:
-                    self.loop.create_task(self._answer(job))
+                self.answers.answer(job, error=internal_error(self.model))
+            return
+        for group in formed:
+            for member in group.members:
+                member.group = group
+            group.detached = any(not member.returning for member in group.members)
+            group.asked = not waited
+            try:
+                self.workers.submit(self._run, group)
+            except Exception:  # noqa: BLE001 - shut down: the model is unloading
+                for member in group.members:
+                    self.answers.answer(member, error=shutting_down(self.model))
 
-    def _shutting_down(self) -> PipelineError:
-        return PipelineError(Code.UNAVAILABLE, f"model '{self.model}' is shutting down")
-
-    # -- one request (the event loop's thread) -------------------------------------------------
-    async def _answer(self, job: Job) -> None:
-        """Run the pipeline for ``job`` (a request, or a group of them) and answer it; a group's
-        members are answered by ``_answer_members``."""
-        task = asyncio.current_task()
-        self.tasks.add(task)
-        outputs = error = None
-        bug = False
-        try:
-            outputs = await self.run(job.inputs, functools.partial(self.subrequests.call, job),
-                                     self.setup)
-        except PipelineError as failure:
-            error = failure
-        except asyncio.CancelledError:
-            error = self._shutting_down()
-        except Exception:  # noqa: BLE001 - a bug here must not take the request's answer with it
-            self.log(f"request '{job.request_id}' failed:\n{traceback.format_exc()}", error=True)
-            error, bug = internal_error(self.model), True
-        finally:
-            self.tasks.discard(task)
-            if job.members is None:
-                self.responder.answer(job, outputs, error)
-                self.responder.leave([job], self._run)
-            else:
-                self._answer_members(job, outputs, error, bug)
-
-    def _drop(self, member: Job, error: PipelineError) -> None:
-        """A member leaves its group early (cancelled): answered now, its slot handed on."""
-        self.responder.answer(member, error=error)
-        self.responder.leave([member], self._run)
-
-    def _answer_members(self, job: Job, outputs: dict | None, error: PipelineError | None,
-                        bug: bool) -> None:
-        """Answer a group's members from their rows of ``outputs``, or with ``error``. When one
-        member may have caused the failure — a bad input (``Kind.INVALID``), or a bug of the run
-        function (it raised, or its outputs do not have the group's rows) — each member runs
-        alone, once, so only the culprit hears of it, while the isolation budget allows (one
-        group in reserve, half a re-run earned per member answered from a successful group: a
-        pipeline failing every group re-runs nothing once the reserve is spent; its members
-        then get the group's error). Not when a sub-request of the group failed for a reason
-        no item causes (``Job.stage_failure``): every member then hears that failure. Never
+    def _answered(self, jobs: list[Job]) -> None:
+        """Jobs were answered: their timers go, their slots to the next queued jobs. Never
         raises."""
-        live = job.live()
-        alone = []
         try:
+            for job in jobs:
+                if job.timer is not None:
+                    job.timer.cancel()
+                    job.timer = None
+            following = self.admission.release(jobs)
+            if following:
+                self._start(following, waited=True)
+        except Exception:  # noqa: BLE001 - an answer must not fail on what follows it
+            self.log(f"handing on slots failed:\n{traceback.format_exc()}", error=True)
+
+    def _expire(self, job: Job) -> None:
+        """A job's deadline passed while ``execute`` waited for room."""
+        self.metrics.increment("bls_deadline_exceeded_total", stage=ADMISSION)
+        self.answers.answer(job, error=SlotWaitExpired(
+            self.model, job.deadline.budget_ms, job.deadline.label,
+            self.config.max_inflight_requests))
+
+    def _deadline(self, job: Job) -> None:
+        """``job``'s deadline passed (execute's thread, or the clock): answered UNAVAILABLE
+        naming where it was; a group left with no one to answer for is abandoned."""
+        if job.answered:
+            return
+        group = job.group
+        if group is None or job.queued:
+            self._expire(job)
+            return
+        stage = group.where()
+        error = DeadlineExceeded(stage, self.config.stage(stage).model, job.deadline.budget_ms,
+                                 job.deadline.label)
+        if job.first("deadline"):
+            self.metrics.increment("bls_deadline_exceeded_total", stage=stage)
+        self.answers.answer(job, error=error)
+        if not group.live():
+            self._abandon(group, deadline=True)
+
+    def _abandon(self, group, deadline: bool = False) -> None:
+        """No member is left to answer for: the flow stops; what is out is dropped when it
+        comes back (r24.10 cannot cancel a sub-request)."""
+        with group.lock:
+            if group.closed:
+                return
+            group.closed = True
+            out = list(group.out)
+            if group.flow is not None:
+                group.flow.close()
+        for sub in out:
+            self.metrics.increment("bls_abandoned_subrequests_total", stage=sub.stage)
+            if deadline:
+                self.subrequests.count_error(sub.stage, Kind.DEADLINE)
+        self._free(group)
+
+    # -- a group (worker threads) ---------------------------------------------------------------
+    def _run(self, group) -> None:
+        group.started = time.monotonic()
+        if group.closed:  # every member was answered while it waited for a worker
+            return
+        try:
+            group.flow = flow.Flow(self.run(group.inputs, flow.SubRequest, self.setup))
+            with group.lock:
+                waiting = [] if group.closed else group.flow.start()
+                done = group.flow.done and not group.closed
+                if done:
+                    group.closed = True
+        except Exception:  # noqa: BLE001 - the run function could not even start: a bug
+            self.log(f"group '{group.ids}' could not start:\n{traceback.format_exc()}",
+                     error=True)
+            self._fail(group, internal_error(self.model))
+            return
+        if done:
+            self._finish(group)
+        else:
+            self._drive(group, waiting)
+
+    def _drive(self, group, waiting: list) -> None:
+        """Send what the flow waits for: one sub-request on this thread, the others on more
+        workers; go on with whatever each one's outcome unblocks."""
+        while waiting:
+            if group.asked:  # the scheduler's answer holds for the first step
+                group.asked = False
+            elif group.detached and not self._still_wanted(group, waiting[0].stage):
+                return
+            sub, rest = waiting[0], waiting[1:]
+            for other in rest:
+                try:
+                    self.workers.submit(self._send, group, other)
+                except Exception:  # noqa: BLE001 - shut down: it fails like any sub-request
+                    self._drive(group, self._resume(group, other, None,
+                                                    shutting_down(self.model)))
+            waiting = self._send_one(group, sub)
+
+    def _send(self, group, sub) -> None:
+        self._drive(group, self._send_one(group, sub))
+
+    def _send_one(self, group, sub) -> list:
+        if group.closed:
+            return []
+        timeout_ms = self.config.stage(sub.stage).timeout_ms
+        timer = (self.clock.at(time.monotonic() + timeout_ms / 1e3, self._stage_timed_out,
+                               group, sub) if timeout_ms else None)
+        group.out[sub] = None
+        try:
+            outputs, error = self.subrequests.send(group, sub)
+        finally:
+            group.out.pop(sub, None)
+            if timer is not None:
+                timer.cancel()
+        return self._resume(group, sub, outputs, error)
+
+    def _resume(self, group, sub, outputs, error) -> list:
+        """Hand ``sub``'s outcome to the flow (unless it was given up on) and return what the
+        flow waits for next; finish the group when the flow is done."""
+        with group.lock:
+            late = group.closed or sub.branch is None
+            if not late:
+                sub.result, sub.error = outputs, error
+                group.devices += [v for v in (outputs or {}).values()
+                                  if isinstance(v, DeviceTensor)]
+                waiting = group.flow.resume(sub)
+                done = group.flow.done
+                if done:
+                    group.closed = True
+        if late:  # abandoned: its result is dropped
+            self.metrics.increment("bls_abandoned_subrequests_completed_total", stage=sub.stage)
+            self.backend.release_devices([v for v in (outputs or {}).values()
+                                          if isinstance(v, DeviceTensor)])
+            return []
+        if done:
+            self._finish(group)
+            return []
+        return waiting
+
+    def _stage_timed_out(self, group, sub) -> None:
+        """(the clock) A sub-request outlived its stage's timeout: the flow hears so on a
+        worker; the sub-request's result is dropped when it comes back."""
+        stage = sub.stage
+        error = DeadlineExceeded(stage, self.config.stage(stage).model,
+                                 self.config.stage(stage).timeout_ms, "stage timeout")
+
+        def resume():
+            with group.lock:
+                given_up = not group.closed and sub.branch is not None
+            if given_up:
+                self.metrics.increment("bls_abandoned_subrequests_total", stage=stage)
+                self.subrequests.count_deadline(group, stage)
+                self._drive(group, self._resume(group, sub, None, error))
+
+        try:
+            self.workers.submit(resume)
+        except Exception:  # noqa: BLE001 - shut down: shutdown answers the group
+            pass
+
+    def _still_wanted(self, group, stage: str) -> bool:
+        """Before a detached group's next step: answer its members whose client cancelled;
+        False (the flow stopped) when none is left."""
+        for member in group.live():
+            if member.sender_lock is not None and self.answers.cancelled(member):
+                if member.first("cancelled"):
+                    self.metrics.increment("bls_cancelled_requests_total", stage=stage)
+                self.answers.answer(member, error=Cancelled(stage))
+        if group.live():
+            return True
+        self._abandon(group)
+        return False
+
+    def _finish(self, group) -> None:
+        """The flow is done: each member answered from its rows, or the failure isolated or
+        answered. Never raises."""
+        self.hold.observe(time.monotonic() - group.started, group.rows)
+        result, error = group.flow.result, group.flow.error
+        group.flow = None
+        bug = error is not None and not isinstance(error, PipelineError)
+        try:
+            if bug:
+                self.log(f"group '{group.ids}' failed:\n"
+                         + "".join(traceback.format_exception(error)), error=True)
             if error is None:
                 try:
-                    rows = rows_of(outputs, job.members, job.rows, job.outputs)
+                    parts = group.split(result)
                 except Exception:  # noqa: BLE001 - the run function's outputs are malformed
-                    self.log(f"the outputs of group '{job.request_id}' could not be split:\n"
+                    self.log(f"the outputs of group '{group.ids}' could not be split:\n"
                              f"{traceback.format_exc()}", error=True)
                     error, bug = internal_error(self.model), True
-                else:
-                    for member, member_outputs in zip(job.members, rows):
-                        self.responder.answer(member, member_outputs)
-                    self.isolation.earn(len(live))
-            if error is not None:
-                if ((bug or error.kind is Kind.INVALID) and job.stage_failure is None
-                        and len(live) > 1 and not self.cancelling
-                        and self.isolation.spend(len(live))):
-                    alone = live
-                else:
-                    if error.kind is Kind.INVALID and job.stage_failure is not None:
-                        error = job.stage_failure  # an innocent member was not the cause
-                    for member in live:
-                        self.responder.answer(member, error=error)
-        except Exception:  # noqa: BLE001 - answer never raises; this is the last resort
-            self.log(f"answering group '{job.request_id}' failed:\n{traceback.format_exc()}",
+                else:  # the answers last: they wake execute's thread
+                    self._free(group)
+                    self.budget.earn(len(group.live()))
+                    self.answers.answer_each(group.members, parts)
+                    return
+            live = group.live()
+            if (live and isolatable(error, bug, group) and not self.subrequests.stopping
+                    and (len(live) > 1 or getattr(error, "stage", ""))
+                    and self.budget.spend(len(live))):
+                self._isolate(group, live, error)
+                return
+            if group.stage_failure is not None and getattr(error, "kind", None) is Kind.INVALID:
+                error = group.stage_failure  # an innocent member was not the cause
+            self._fail(group, internal_error(self.model) if bug else error)
+        except Exception:  # noqa: BLE001 - the last resort: every member is answered
+            self.log(f"answering group '{group.ids}' failed:\n{traceback.format_exc()}",
                      error=True)
-            alone = []
-            for member in live:
-                self.responder.answer(member, error=internal_error(self.model))
+            self._fail(group, internal_error(self.model))
         finally:
-            self.responder.release(job)
-            for member in alone:  # each keeps its slot
-                self.loop.create_task(self._answer(member))
-            self.responder.leave([m for m in live if m.answered], self._run)
+            self._free(group)
 
-    # -- metrics and logging ------------------------------------------------------------------------
-    def _flush_metrics(self, histograms_due: float = 0.0) -> None:
-        """Publish pending counter/gauge increments (and, every HISTOGRAM_FLUSH_SECONDS, the
-        histograms' observations), then again in FLUSH_SECONDS, whatever happens. A publication
-        that fails keeps what it did not publish for the next one (``Metrics.flush``)."""
-        if self.finalized.is_set():
+    def _fail(self, group, error: PipelineError) -> None:
+        self.answers.answer_each(group.members, error=error)
+
+    def _free(self, group) -> None:
+        devices, group.devices = group.devices, []
+        if devices:
+            self.backend.release_devices(devices)
+        group.inputs = {}
+
+    # -- isolation (a worker thread) ------------------------------------------------------------
+    def _isolate(self, group, live: list[Job], error: PipelineError) -> None:
+        """Run each live member alone, one after the other, with the other instances'
+        isolations held off; a member of a larger group that fails alone with a sub-model's
+        INVALID runs once more at the end (a group of one already failed alone once). Each
+        member hears its own outcome."""
+        self.metrics.increment("bls_isolated_requests_total", len(live))
+        with self.exclusive.held(group.latest().deadline.end) as held:
+            if not held:  # every member's deadline passed meanwhile
+                self._fail(group, error)
+                return
+            again = []
+            for member in live:
+                outputs, failure = self._alone(member, group.detached)
+                if (failure is not None and failure.kind is Kind.INVALID and failure.stage
+                        and len(live) > 1 and self.budget.spend(1)):
+                    again.append(member)
+                else:
+                    self._answer(member, outputs, failure)
+            for member in again:
+                self._answer(member, *self._alone(member, group.detached))
+
+    def _answer(self, member: Job, outputs, failure) -> None:
+        if outputs is None and failure is None:  # it was answered meanwhile
             return
-        now = self.loop.time()
+        if self.answers.answer(member, outputs, failure) and failure is None:
+            self.budget.earn(1)
+
+    def _alone(self, member: Job, detached: bool):
+        """``member`` run alone on this thread, its stages one after the other: (its rows'
+        outputs, None) or (None, its error)."""
+        if member.answered:
+            return None, None
+        solo = groups.Group([member], self.first_stage, solo=True)
+        solo.detached = detached
+        try:
+            run = flow.Flow(self.run(solo.inputs, flow.SubRequest, self.setup))
+            waiting = run.start()
+            while waiting and not run.done:
+                sub = waiting.pop(0)
+                if member.answered or (detached and not self._still_wanted(solo, sub.stage)):
+                    run.close()
+                    return None, None
+                sub.result, sub.error = self.subrequests.send(solo, sub)
+                solo.devices += [v for v in (sub.result or {}).values()
+                                 if isinstance(v, DeviceTensor)]
+                waiting += run.resume(sub)
+            if run.error is not None:
+                if isinstance(run.error, PipelineError):
+                    return None, run.error
+                self.log(f"request '{member.request_id}' failed alone:\n"
+                         + "".join(traceback.format_exception(run.error)), error=True)
+                return None, internal_error(self.model)
+            return solo.split(run.result)[0], None
+        except Exception:  # noqa: BLE001 - as any bug: INTERNAL, logged
+            self.log(f"request '{member.request_id}' failed alone:\n{traceback.format_exc()}",
+                     error=True)
+            return None, internal_error(self.model)
+        finally:
+            self._free(solo)
+
+    # -- metrics ----------------------------------------------------------------------------------
+    def _flush_metrics(self, histograms_due: float) -> None:
+        """(the clock) Publish pending counters and gauges (and, every HISTOGRAM_FLUSH_SECONDS,
+        the histograms), then again in FLUSH_SECONDS, whatever happens."""
+        now = time.monotonic()
         histograms = now >= histograms_due
         try:
             self.metrics.flush(histograms=histograms)
@@ -447,84 +568,46 @@ class Orchestrator:
                 self.log(f"publishing metrics failed (retried every {FLUSH_SECONDS} s):\n"
                          f"{traceback.format_exc()}", error=True)
         finally:
-            self.loop.call_later(FLUSH_SECONDS, self._flush_metrics,
-                                 now + HISTOGRAM_FLUSH_SECONDS if histograms else histograms_due)
+            self.clock.at(now + FLUSH_SECONDS, self._flush_metrics,
+                          now + HISTOGRAM_FLUSH_SECONDS if histograms else histograms_due)
 
-    def log(self, message: str, error: bool = False) -> None:
-        """Log through Triton (no-op once finalized). Never raises: logging must not take a
-        request's answer with it."""
-        try:
-            with self.lock:
-                if not self.finalized.is_set():
-                    logger = self.pb.Logger
-                    (logger.log_error if error else logger.log_info)(f"[{self.model}] {message}")
-        except Exception:  # noqa: BLE001 - the stub's stderr is the last resort
-            try:
-                print(f"[{self.model}] {message}", file=sys.stderr, flush=True)
-            except Exception:  # noqa: BLE001
-                pass
-
-    # -- shutdown --------------------------------------------------------------------------------
+    # -- shutdown ---------------------------------------------------------------------------------
     def close(self) -> None:
-        """Drain in-flight requests (bounded), cancel the rest, stop the loop and the threads,
-        answer whatever is still pending with UNAVAILABLE, publish the metrics; every step on
-        every path, each bounded. No pb_utils call happens after it returns. Never raises."""
+        """``finalize``: r24.10 refuses sub-requests from now on, so no new one is sent (a group
+        that needs one is answered UNAVAILABLE); wait for those out (bounded), answer whatever
+        is left UNAVAILABLE, stop the clock and the workers, publish the metrics. No pb_utils
+        call happens after it returns. Never raises."""
         try:
-            remaining = self.responder.drain(SHUTDOWN_DRAIN_SECONDS)
-            if remaining:
-                self.log(f"cancelling {remaining} request(s) still in flight at shutdown")
-                asyncio.run_coroutine_threadsafe(self._cancel_all(), self.loop).result(
-                    timeout=SHUTDOWN_CANCEL_SECONDS)
+            self.subrequests.stopping = True
+            give_up = time.monotonic() + SHUTDOWN_DRAIN_SECONDS
+            while self.answers.pending and time.monotonic() < give_up:
+                time.sleep(0.02)
+            left = self.answers.answer_all(shutting_down(self.model))
+            if left:
+                self.log(f"answered {left} request(s) still pending at shutdown")
         except BaseException:  # noqa: BLE001 - the rest of the shutdown happens all the same
-            self.log(f"cancelling at shutdown failed:\n{traceback.format_exc()}", error=True)
-        finally:
-            self._stop()
-
-    def _stop(self) -> None:
-        stopped = False
-        try:
-            try:
-                self.loop.call_soon_threadsafe(self.loop.stop)
-            except RuntimeError:  # already closed
-                pass
-            self.thread.join(timeout=SHUTDOWN_LOOP_SECONDS)
-            stopped = not self.thread.is_alive()
-            stuck = self.subrequests.close(SHUTDOWN_THREADS_SECONDS)
-            if stuck:
-                self.log(f"{stuck} sub-request(s) still out at shutdown: their threads are left "
-                         "to the process's exit and make no further pb_utils call", error=True)
-            if stopped:  # this thread owns every sender now
-                left = self.responder.answer_all(self._shutting_down())
-                if left:
-                    self.log(f"answered {left} request(s) the event loop left at shutdown")
-                self.loop.close()
-            else:
-                self.log("the event loop did not stop; its requests stay unanswered", error=True)
-        except BaseException:  # noqa: BLE001
             self.log(f"shutdown failed:\n{traceback.format_exc()}", error=True)
         finally:
+            try:
+                self.clock.close(SHUTDOWN_THREADS_SECONDS)
+                stuck = self.workers.shutdown(SHUTDOWN_THREADS_SECONDS)
+                if stuck:
+                    self.log(f"{stuck} thread(s) still wait on a sub-model at shutdown: left to "
+                             "the process's exit; they make no pb_utils call", error=True)
+            except BaseException:  # noqa: BLE001
+                self.log(f"stopping the threads failed:\n{traceback.format_exc()}", error=True)
             try:
                 self.metrics.close()
             except BaseException:  # noqa: BLE001
                 self.log(f"publishing the last metrics failed:\n{traceback.format_exc()}",
                          error=True)
-            with self.lock:
-                self.finalized.set()
-
-    async def _cancel_all(self) -> None:
-        self.cancelling = True
-        tasks = list(self.tasks)
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        for coalescer in self.subrequests.coalescers.values():
-            await coalescer.close()
+            self.backend.finalize()
 
 
 def python_model(pipeline: PipelineDef | str) -> type:
     """The ``TritonPythonModel`` class of an orchestrator running ``pipeline`` (a definition, or
     the name of a registered one). A model.py is then one line: ``TritonPythonModel =
-    python_model(...)``; every request is answered through its response sender."""
+    python_model(...)``."""
     name = pipeline if isinstance(pipeline, str) else pipeline.name
 
     class TritonPythonModel:

@@ -1,10 +1,11 @@
-"""A test-only ONNX model with the classifier's contract that fails its whole batch on one bad item.
+"""Test-only ONNX models with the classifier's or the embedder's contract that fail their whole
+batch on one bad item.
 
 Triton's onnxruntime backend runs each dynamic batch as one ONNX Runtime call, so an error that
-depends on the *values* of one request fails every request batched with it. This model makes
-that reproducible: it answers like a (trivial) classifier, PIXELS -> LOGITS, unless an item is
-**poisoned**, and then ONNX Runtime fails the whole call (a ``Gather`` index out of bounds, an
-``INVALID_ARGUMENT`` from ONNX Runtime).
+depends on the *values* of one request fails every request batched with it. These models make
+that reproducible: they answer like a (trivial) classifier, PIXELS -> LOGITS, or embedder,
+PIXELS -> EMBEDDING, unless an item is **poisoned**, and then ONNX Runtime fails the whole call
+(a ``Gather`` index out of bounds, an ``INVALID_ARGUMENT`` from ONNX Runtime).
 
 An item is poisoned when its top-left pixel is magenta in the image it came from, RGB
 (255, 0, 255), after the pipeline's ImageNet normalisation: PIXELS[:, 0, 0, 0] > 2.2,
@@ -51,20 +52,21 @@ def is_poisoned(pixels: np.ndarray) -> np.ndarray:
     return flags
 
 
-def reference(pixels: np.ndarray) -> np.ndarray:
-    """LOGITS of an unpoisoned batch, as the graph computes them: channel means projected."""
-    return pixels.mean(axis=(2, 3)) @ _projection()
+def reference(pixels: np.ndarray, output: S.TensorSpec = S.CLASS_LOGITS) -> np.ndarray:
+    """The output of an unpoisoned batch, as the graph computes it: channel means projected."""
+    return pixels.mean(axis=(2, 3)) @ _projection(output)
 
 
-def _projection() -> np.ndarray:
-    return np.random.default_rng(0).standard_normal((3, S.NUM_CLASSES)).astype(np.float32)
+def _projection(output: S.TensorSpec) -> np.ndarray:
+    return np.random.default_rng(0).standard_normal((3, output.dims[0])).astype(np.float32)
 
 
-def build():
+def build(output: S.TensorSpec = S.CLASS_LOGITS):
+    """The model with PIXELS in and ``output`` (LOGITS or EMBEDDING) out."""
     import onnx
     from onnx import TensorProto, helper, numpy_helper
 
-    pixels, logits = S.PIXELS, S.CLASS_LOGITS
+    pixels, logits = S.PIXELS, output
     nodes, inits = [], [
         numpy_helper.from_array(np.array([0, 0, 0], np.int64), "corner_start"),
         numpy_helper.from_array(np.array([3, 1, 1], np.int64), "corner_end"),
@@ -73,7 +75,7 @@ def build():
         numpy_helper.from_array(np.array([0.0, 0.0], np.float32), "table"),
         numpy_helper.from_array(np.array(OUT_OF_BOUNDS, np.int64), "bad_index"),
         numpy_helper.from_array(np.array([2, 3], np.int64), "spatial_axes"),
-        numpy_helper.from_array(_projection(), "projection"),
+        numpy_helper.from_array(_projection(output), "projection"),
     ]
     # The top-left pixel of every item, (N, 3).
     nodes += [helper.make_node("Slice", [pixels.name, "corner_start", "corner_end", "corner_axes"],
@@ -107,9 +109,9 @@ def build():
     return model
 
 
-def write(path: Path) -> Path:
+def write(path: Path, output: S.TensorSpec = S.CLASS_LOGITS) -> Path:
     import onnx
 
     path.parent.mkdir(parents=True, exist_ok=True)
-    onnx.save(build(), str(path))
+    onnx.save(build(output), str(path))
     return path

@@ -31,10 +31,13 @@ FAULT_MODELS = (
     fault_model("fault_classifier", S.CLASSIFIER),
     fault_model("fault_embedder", S.EMBEDDER),
     fault_model("fault_tagger", S.TAGGER),
-    # One instance, a queue of 2: the third concurrent request is refused ("queue full").
-    fault_model("fault_queue", S.CLASSIFIER, instances=1,
-                batching=S.BatchingSpec(preferred_batch_sizes=(), max_queue_delay_us=0,
-                                        max_queue_size=2)),
+    # One instance, a queue of 2: the third concurrent request is refused ("queue full"). A
+    # batch of 1: an orchestrator over it runs each request as a group of its own.
+    dataclasses.replace(fault_model("fault_queue", S.CLASSIFIER, instances=1,
+                                    batching=S.BatchingSpec(preferred_batch_sizes=(),
+                                                            max_queue_delay_us=0,
+                                                            max_queue_size=2)),
+                        max_batch_size=1),
     # Killed by the crash test; nothing else uses it.
     fault_model("fault_crash", S.CLASSIFIER, instances=1),
     # Made slow for a while, then recovered, by the degradation test (its slow_ms file).
@@ -53,6 +56,12 @@ FAULT_BATCH = dataclasses.replace(
     S.CLASSIFIER, name="fault_batch", instance_count=1, kind="KIND_CPU",
     batching=S.BatchingSpec(preferred_batch_sizes=(4,), max_queue_delay_us=200_000),
     description="classifier contract; ONNX Runtime fails the whole batch if an item is poisoned")
+# The same with the embedder's contract and the committed embedder's batching and instances: a
+# batch-failing model in the embedder stage, batching as the real one does.
+FAULT_BATCH_EMBEDDER = dataclasses.replace(
+    S.EMBEDDER, name="fault_batch_embedder", kind="KIND_CPU",
+    description="embedder contract; ONNX Runtime fails the whole batch if an item is poisoned")
+POISONED_MODELS = ((FAULT_BATCH, S.CLASS_LOGITS), (FAULT_BATCH_EMBEDDER, S.EMBEDDING))
 
 
 # The real classifier with one instance and a queue of 1, and one with a queue of 64: kept busy
@@ -83,11 +92,8 @@ VARIANTS = (
             embedder_timeout_ms="400", default_deadline_ms="1500"),
     variant(S.TAG_PIPELINE, "tag_pipeline_faulty", tagger_model="fault_tagger",
             default_deadline_ms="1500"),
-    # Coalescing off: each request is its own sub-request, so the queue-full test can count
-    # requests against fault_queue's queue (coalesced, arrivals behind a group in flight wait
-    # and go as one group, which the queue then fits).
     variant(S.PIPELINE, "pipeline_queue", preprocess_model="fault_preprocess",
-            classifier_model="fault_queue", embedder_model="fault_embedder", coalesce="off"),
+            classifier_model="fault_queue", embedder_model="fault_embedder"),
     variant(S.PIPELINE, "pipeline_crash", preprocess_model="fault_preprocess",
             classifier_model="fault_crash", embedder_model="fault_embedder",
             default_deadline_ms="3000"),
@@ -107,14 +113,6 @@ def variant_named(name: str) -> S.ModelSpec:
     return next(model for model in VARIANTS if model.name == name)
 
 
-def uncoalesced_variants(real_repository: Path) -> tuple[S.ModelSpec, ...]:
-    """The orchestrators with coalescing off, over the real sub-models: the A/B baseline of the
-    benchmarks (the committed configs coalesce)."""
-    return tuple(variant(base, f"{base.name}_uncoalesced", coalesce="off",
-                         stage_model_repositories=str(real_repository))
-                 for base in (S.PIPELINE, S.TAG_PIPELINE))
-
-
 def real_model_variants(real_repository: Path) -> tuple[S.ModelSpec, ...]:
     """Orchestrator variants over the real sub-models (found in ``real_repository``)."""
     return (
@@ -132,20 +130,12 @@ def real_model_variants(real_repository: Path) -> tuple[S.ModelSpec, ...]:
         # (tests/live/test_failure_paths.py).
         variant(S.PIPELINE, "pipeline_sick", embedder_model="fault_sick",
                 stage_model_repositories=str(real_repository)),
-        # The classifier stage on the poisonable model, coalescing (as committed) and not
-        # (tests/live/test_backend_errors.py).
+        # The classifier stage on the poisonable model (tests/live/test_backend_errors.py), and
+        # the embedder stage on one that batches as the real embedder (tests/live/test_isolation.py).
         variant(S.PIPELINE, "pipeline_poison", classifier_model=FAULT_BATCH.name,
                 stage_model_repositories=str(real_repository)),
-        variant(S.PIPELINE, "pipeline_poison_uncoalesced", classifier_model=FAULT_BATCH.name,
-                coalesce="off", stage_model_repositories=str(real_repository)),
-        *uncoalesced_variants(real_repository),
-        # The same on one instance (tests/live/test_coalescing.py): two instances isolate their
-        # groups independently, and the sub-model's batcher may put one instance's re-sent
-        # innocent request with the other's re-sent culprit (docs/orchestrator.md, "Coalescing").
-        dataclasses.replace(
-            variant(S.PIPELINE, "pipeline_poison_one_instance", classifier_model=FAULT_BATCH.name,
-                    stage_model_repositories=str(real_repository)),
-            instance_count=1),
+        variant(S.PIPELINE, "pipeline_poison_embedder", embedder_model=FAULT_BATCH_EMBEDDER.name,
+                stage_model_repositories=str(real_repository)),
     )
 
 def build(target: Path, real_repository: Path, variants=None) -> Path:
@@ -155,9 +145,10 @@ def build(target: Path, real_repository: Path, variants=None) -> Path:
         variants = (*VARIANTS, *real_model_variants(real_repository))
     for model in FAULT_MODELS:
         write(target, model, FAULT_MODEL)
-    (target / FAULT_BATCH.name / "1").mkdir(parents=True)
-    (target / FAULT_BATCH.name / "config.pbtxt").write_text(configs.render(FAULT_BATCH))
-    poison.write(target / FAULT_BATCH.name / "1" / "model.onnx")
+    for model, output in POISONED_MODELS:
+        (target / model.name / "1").mkdir(parents=True)
+        (target / model.name / "config.pbtxt").write_text(configs.render(model))
+        poison.write(target / model.name / "1" / "model.onnx", output)
     write(target, PROBE, PROBE_MODEL)
     for model in CONTENDED:
         write_onnx(target, model, real_repository / S.CLASSIFIER.name / "1" / "model.onnx")

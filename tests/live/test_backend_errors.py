@@ -194,10 +194,9 @@ def test_one_poisoned_request_fails_its_whole_onnxruntime_batch(server, protocol
 
 @pytest.mark.parametrize("protocol", PROTOCOLS)
 def test_through_pipeline_only_the_poisoned_request_fails(server, protocol):
-    """``pipeline_poison`` is the committed pipeline (coalescing, two instances) with the
-    poisonable model as its classifier stage. A failed classifier batch is isolated: its
-    members are re-sent one at a time, so the poisoned request alone gets the error, blamed as
-    invalid input, and its batch-mates their results."""
+    """``pipeline_poison`` is the committed pipeline with the poisonable model as its classifier
+    stage. A failed group is isolated: its members run again one at a time, so the poisoned
+    request alone gets the error, blamed as invalid input, and its batch-mates their results."""
     images = [image(seed) for seed in (21, 22, 23, 24)]
     images[1] = poison.poison_image(images[1])
     outcomes = _send_together(server, protocol, "pipeline_poison", "IMAGE", images, "UINT8")
@@ -209,25 +208,3 @@ def test_through_pipeline_only_the_poisoned_request_fails(server, protocol):
     assert not [o for o in innocent if isinstance(o, InferenceServerException)], innocent
     for o in innocent:
         assert o.as_numpy("CLASS_IDS").shape == (1, S.TOP_K)
-
-
-@pytest.mark.parametrize("protocol", PROTOCOLS)
-def test_without_coalescing_the_requests_batched_with_a_poisoned_one_fail_too(server, protocol):
-    """The A/B baseline: ``pipeline_poison_uncoalesced`` (``coalesce: "off"``) sends each
-    request's sub-request alone and does not isolate, so every request whose classifier
-    sub-request shared the bad one's batch in the sub-model's batcher fails too."""
-    images = [image(seed) for seed in (21, 22, 23, 24)]
-    images[1] = poison.poison_image(images[1])
-    outcomes = _with_company(lambda: _send_together(
-        server, protocol, "pipeline_poison_uncoalesced", "IMAGE", images, "UINT8"), poisoned=1)
-    # The orchestrator classifies ONNX Runtime's INVALID_ARGUMENT as the client's fault: the
-    # innocent requests of the batch are told INVALID_ARG too.
-    failed = [o for o in outcomes if isinstance(o, InferenceServerException)]
-    assert {o.status() for o in failed} == {STATUS[protocol]["INVALID_ARG"]}
-    assert all("stage 'classifier'" in o.message() and "out of data bounds" in o.message()
-               for o in failed)
-    # The same three clean images, without the poisoned one, succeed.
-    clean = [images[i] for i in (0, 2, 3)]
-    results = _send_together(server, protocol, "pipeline_poison_uncoalesced", "IMAGE", clean,
-                             "UINT8")
-    assert not [r for r in results if isinstance(r, InferenceServerException)], results

@@ -87,11 +87,11 @@ def test_a_slow_request_does_not_hold_up_fifty_others(protocol, server):
 
 
 def test_answers_returned_from_execute_and_sent_later_mix_in_one_batch(server, grpc_client):
-    """Requests arriving together, some held 400 ms in the classifier (a client timeout of
-    their own puts them in a group of their own), the rest not: ``execute`` returns the answers
-    ready within ``return_within_ms`` and leaves ``None`` for the slow ones, answered later
-    through their senders (r24.10 accepts both in one batch: python_be.cc). Every request gets
-    its own correct answer."""
+    """Requests arriving together, some held 400 ms in the classifier (asking for other outputs
+    puts them in a group of their own), the rest not: ``execute`` returns the answers ready
+    within its hold and leaves ``None`` for the slow ones, answered later through their senders
+    (r24.10 accepts both in one batch: python_be.cc). Every request gets its own correct
+    answer."""
     expected = {seed: timed_infer(grpc_client, "grpc", "pipeline_faulty", image(seed)).result
                 for seed in range(8)}
     clients = [grpcclient.InferenceServerClient(server.grpc_url) for _ in range(8)]
@@ -101,7 +101,8 @@ def test_answers_returned_from_execute_and_sent_later_mix_in_one_batch(server, g
             timed_infer, clients[seed], "grpc", "pipeline_faulty", image(seed),
             request_id=(f"slow-{seed};fault_classifier:delay:400" if seed % 4 == 0
                         else f"fast-{seed}"),
-            timeout_us=20_000_000 if seed % 4 == 0 else None) for seed in range(8)}
+            outputs=[grpcclient.InferRequestedOutput(name) for name in ("CLASS_IDS", "EMBEDDING")]
+            if seed % 4 == 0 else None) for seed in range(8)}
         outcomes = {seed: future.result(timeout=60) for seed, future in futures.items()}
     finally:
         pool.shutdown()
@@ -235,9 +236,9 @@ def test_one_bad_request_fails_alone(server):
 
 
 def test_a_full_sub_model_queue_is_unavailable(server):
-    """fault_queue has one instance and room for 2 queued requests. Each request of the burst
-    has a timeout of its own, so none shares a group (one sub-request) with another even when
-    Triton hands them to one ``execute``: 7 requests, 7 sub-requests."""
+    """fault_queue has one instance, room for 2 queued requests and a batch of 1, so each
+    request of the burst is a group of its own even when Triton hands them to one ``execute``:
+    7 requests, 7 sub-requests."""
     pool = concurrent.futures.ThreadPoolExecutor(8)
     clients = [grpcclient.InferenceServerClient(server.grpc_url) for _ in range(8)]
     try:

@@ -155,6 +155,57 @@ def test_a_pipeline_stub_killed_under_mixed_load_costs_only_pipeline_a_moment(fr
         os.killpg(group, 0)
 
 
+# Requests in flight at a stub kill (issue 27): the server answers those inside ``execute`` about
+# a second later (r24.10's health check); only those owed through response senders are never
+# answered. The normal path returns its answers from ``execute``, so almost none are.
+KILLS = 5                 # within the per-model guard of 5 reloads in 10 minutes
+ANSWERED_WITHIN = 2.0     # seconds from the kill
+ANSWERED_SHARE = 0.95
+
+
+def test_requests_in_flight_at_a_stub_kill_are_answered_by_the_server(fresh):
+    """16 gRPC clients on ``pipeline`` with 3 s deadlines; a ``pipeline`` stub SIGKILLed five
+    times, each once the supervisor has brought the model back: at least 95 % of the requests
+    in flight at the kills are answered by the server (with any status) within 2 s."""
+    import asyncio
+
+    from tritonlocal.load import closed_loop
+
+    supervisor = Supervisor(fresh, interval=0.5, restart_grace=5.0, retire_grace=3.0,
+                            log=lambda line: print(line)).start()
+    stop, answers, kills = threading.Event(), [], []
+    load = threading.Thread(target=lambda: asyncio.run(closed_loop(
+        fresh.grpc_url, "pipeline", 16, image(3), stop, timeout_us=int(DEADLINE * 1e6),
+        retry_pause=0.05, answers=answers, client_timeout=DEADLINE)))
+    load.start()
+    try:
+        time.sleep(3.0)
+        for _ in range(KILLS):
+            reloaded = len([1 for _, what in supervisor.reloader.events
+                            if what == "reloaded: pipeline"])
+            kills.append(time.monotonic())
+            os.kill(min(fresh.stub_pids("pipeline")), signal.SIGKILL)
+            give_up = time.monotonic() + 30
+            while (len([1 for _, what in supervisor.reloader.events
+                        if what == "reloaded: pipeline"]) == reloaded
+                   and time.monotonic() < give_up and supervisor.error is None):
+                time.sleep(0.05)
+            time.sleep(2.0)
+    finally:
+        stop.set()
+        load.join(DEADLINE + 30)
+        supervisor.stop()
+    assert supervisor.error is None, supervisor.error
+    in_flight = [(a, at) for at in kills for a in answers if a.started < at <= a.finished]
+    on_time = [a for a, at in in_flight if a.finished - at <= ANSWERED_WITHIN]
+    owed = [a for a, at in in_flight if a.finished - at > ANSWERED_WITHIN]
+    print(f"\n{KILLS} kills: {len(in_flight)} requests in flight, {len(on_time)} answered within "
+          f"{ANSWERED_WITHIN} s, {len(owed)} later (owed through senders: "
+          f"{sorted({a.code for a in owed})})")
+    assert len(in_flight) >= KILLS, "no request was in flight at the kills: nothing was tested"
+    assert len(on_time) >= ANSWERED_SHARE * len(in_flight), (len(on_time), len(in_flight))
+
+
 def test_the_probes_follow_the_reloader(fresh):
     """While a reloader watches, a dead stub keeps the pod live but not ready; once the model
     is back, both pass; when the reloader has given up on a model, liveness fails."""

@@ -13,10 +13,22 @@ def made():
     made: list = []
     yield made
     for orchestrator in made:
-        fake = orchestrator.pb
+        fake = orchestrator.backend.pb
         if hasattr(fake, "finalize"):
             fake.finalize(orchestrator)
         else:
             orchestrator.close()
     for orchestrator in made:
-        assert getattr(orchestrator.pb, "violations", []) == [], orchestrator.pb.violations
+        fake = orchestrator.backend.pb
+        assert getattr(fake, "violations", []) == [], fake.violations
+
+
+@pytest.fixture
+def long_hold(monkeypatch):
+    """``execute`` waits for its batch up to ``return_within_ms`` (1 s as committed), whatever
+    the recent batches took: tests of the normal path that must not depend on how busy the host
+    is (params.HOLD_FLOOR_MS, FIRST_HOLD_MS)."""
+    from bls_models import params
+
+    monkeypatch.setattr(params, "HOLD_FLOOR_MS", 60_000)
+    monkeypatch.setattr(params, "FIRST_HOLD_MS", 60_000)

@@ -15,12 +15,18 @@ What it holds to, as r24.10 does (source files of triton-inference-server/python
   later ``send`` raises "Response sender has been closed". ``is_cancelled`` on a closed sender
   is a violation: the server has deleted the response factory it would ask about.
 * **The stub's side of execute** (``pb_stub.cc``, ``ProcessRequests``): drive the model with
-  ``fake.execute(model, requests)``. If ``execute`` raises, r24.10 closes every sender of the
-  batch and the backend deletes every response factory, answered ones included (a double free
-  inside tritonserver): recorded as a violation. A returned list must hold one entry per
-  request, ``None`` or an ``InferenceResponse`` for a request whose sender was never used.
-  When ``execute`` returns, the requests are released: their tensors' memory is overwritten and
-  any further use of a request raises.
+  ``fake.execute(model, requests)``. If ``execute`` raises, r24.10 answers every request not
+  yet closed with an error and the backend deletes every response factory, answered ones
+  included (a double free inside tritonserver): the errors are recorded as answers and the
+  raise as a violation. A returned list must hold one entry per request, ``None`` or an
+  ``InferenceResponse`` for a request whose sender was never used; a decoupled model
+  (``decoupled=True``) must return ``None``. When ``execute`` returns, the requests are
+  released: their tensors' memory is overwritten and any further use of a request raises.
+  A request input's ``as_numpy()`` is a view of the request's memory (r24.10 hands out a copy:
+  the runtime must copy what it keeps unless the array owns its memory).
+* **Finalize** (``fake.finalize(model)``): from its start, ``exec`` raises "BLS is only
+  supported during the 'execute' function." as r24.10's does (``Stub::Finalize`` sets
+  ``finalizing_`` before calling the model's ``finalize``: ``infer_request.cc``).
 * **Faults.** ``fake.faults.plan(name, "once" | "always", after=k)`` makes the named call raise
   ``InjectedFault`` (once: the first call after ``k`` unaffected ones). Names:
   ``get_input_tensor_by_name``, ``as_numpy`` (of a request's input), ``get_response_sender``,
@@ -28,7 +34,7 @@ What it holds to, as r24.10 does (source files of triton-inference-server/python
   ``exec``, ``get_output_tensor_by_name``, ``InferenceResponse``, ``TritonError``, ``send``,
   ``is_cancelled``, ``metric`` (creating or incrementing a metric) and ``Logger``. The fake's
   own sub-models build their responses without the faults.
-* **After finalize** (``fake.finalize(model)``), every pb_utils call is a violation.
+* **After finalize** returned, every pb_utils call is a violation.
 * **No lock across a round trip.** ``fake.forbidden_locks`` lists locks that must not be held by
   the calling thread during ``send``, ``is_cancelled`` and metric increments (each an IPC round
   trip to the server in r24.10).
@@ -178,12 +184,19 @@ class Sender:
 _SENDER_LOCK = threading.Lock()
 
 
+def _foreign(value: np.ndarray) -> np.ndarray:
+    """A copy of ``value`` over a bytearray: an array that does not own its memory."""
+    return np.frombuffer(bytearray(value.tobytes()), value.dtype).reshape(value.shape)
+
+
 class Request:
     """A client request as ``execute`` receives it."""
 
     def __init__(self, inputs: dict[str, np.ndarray], request_id: str = "",
                  timeout_us: int = 0, outputs=()) -> None:
-        self._buffers = {name: np.array(value, copy=True) for name, value in inputs.items()}
+        # The request's memory, not numpy's (as shared memory is): a runtime that keeps an
+        # input must copy it (``backend.owns_memory`` says it does not own it).
+        self._buffers = {name: _foreign(np.asarray(value)) for name, value in inputs.items()}
         self._id, self._timeout, self._outputs = request_id, timeout_us, list(outputs)
         self.sender = Sender()
         self.returned = None  # a response execute returned for it
@@ -292,6 +305,7 @@ class FakePbUtils:
         # the producing instance's memory)
         self.output_memory: list[tuple[str, tuple | None]] = []
         self.violations: list[str] = []
+        self.finalizing = False
         self.finalized = False
         self.forbidden_locks: list = []
         fake = self
@@ -346,6 +360,8 @@ class FakePbUtils:
 
             def exec(self):
                 fake.enter("exec")
+                if fake.finalizing:
+                    raise RuntimeError("BLS is only supported during the 'execute' function.")
                 fake.faults.check("exec")
                 rows = len(next(iter(self.inputs.values()))) if self.inputs else 0
                 with fake.state:
@@ -385,9 +401,8 @@ class FakePbUtils:
             self.violations.append(what)
 
     # -- the stub's side ----------------------------------------------------------------------
-    def execute(self, model, requests: list[Request]):
-        """Call ``model.execute(requests)`` as r24.10's stub does for a model that is not
-        decoupled, then release the requests."""
+    def execute(self, model, requests: list[Request], decoupled: bool = False):
+        """Call ``model.execute(requests)`` as r24.10's stub does, then release the requests."""
         for request in requests:
             request.fake = request.sender.fake = self
         try:
@@ -395,8 +410,16 @@ class FakePbUtils:
         except BaseException as error:  # noqa: BLE001 - r24.10 deletes every factory: a double free
             self.violation(f"execute raised {type(error).__name__}: {error}")
             for request in requests:
-                request.sender.closed = True
+                with _SENDER_LOCK:
+                    if not request.sender.closed:
+                        request.sender.closed = True
+                        request.sender.sent.append(InferenceResponse(error=TritonError(
+                            f"Failed to process the request(s) for model: {error}")))
                 request.sender.done.set()
+            returned = None
+        if returned is not None and decoupled:
+            self.violation("a decoupled model's execute returned responses (r24.10 refuses "
+                           "them: pb_stub.cc)")
             returned = None
         if returned is not None:
             if not isinstance(returned, list) or len(returned) != len(requests):
@@ -419,7 +442,9 @@ class FakePbUtils:
         return returned
 
     def finalize(self, model) -> None:
-        """``finalize``: after it returns, no pb_utils call may happen."""
+        """``finalize``: from its start ``exec`` raises; after it returns, no pb_utils call may
+        happen."""
+        self.finalizing = True
         model.close()
         self.finalized = True
 

@@ -5,8 +5,9 @@ live fault model is (modelgen/fault_model.py):
 
 * ``<stage>=<ms>`` in a request's id: that stage sleeps so long (a group sleeps its members'
   longest), e.g. ``"r7;classifier=150"``;
-* an image whose pixels are all ``POISON`` fails its classifier batch with ONNX Runtime's
-  INVALID_ARGUMENT message, as one bad item fails a whole ONNX Runtime batch;
+* an image whose pixels are all ``POISON`` fails its classifier batch (and, with
+  ``poisoned_stages``, those stages' batches) with ONNX Runtime's INVALID_ARGUMENT message, as
+  one bad item fails a whole ONNX Runtime batch;
 * ``sick``: {stage: error message}: that stage fails every request with that error.
 """
 
@@ -38,8 +39,10 @@ def delay_ms(request_id: str, stage: str) -> float:
 
 
 class DirectedRowModels:
-    def __init__(self, sick: dict[str, str] | None = None) -> None:
+    def __init__(self, sick: dict[str, str] | None = None,
+                 poisoned_stages: tuple[str, ...] = ("classifier",)) -> None:
         self.sick = sick or {}
+        self.poisoned_stages = poisoned_stages
 
     def models(self) -> dict:
         return {"preprocess": self.preprocess, "classifier": self.classifier,
@@ -57,17 +60,21 @@ class DirectedRowModels:
         return {"PIXELS": np.broadcast_to(value[:, None, None, None],
                                           (len(image), *S.PIXELS.dims)).copy()}
 
+    def _poisoned(self, stage: str, pixels) -> None:
+        if stage in self.poisoned_stages and (pixels[:, 0, 0, 0] == POISON).any():
+            raise SubModelError(ITEM_ERROR)
+
     def classifier(self, inputs, request):
         self._enter("classifier", request)
+        self._poisoned("classifier", inputs["PIXELS"])
         value = inputs["PIXELS"][:, 0, 0, 0]
-        if (value == POISON).any():
-            raise SubModelError(ITEM_ERROR)
         return {"LOGITS": (np.arange(S.NUM_CLASSES, dtype=np.float32)[None, :]
                            * (1 + (value[:, None] % 7)))}
 
     def embedder(self, inputs, request):
         self._enter("embedder", request)
         pixels = inputs["PIXELS"]
+        self._poisoned("embedder", pixels)
         return {"EMBEDDING": np.repeat(pixels[:, :1, 0, 0], S.EMBEDDING_DIM, axis=1)}
 
 

@@ -1,7 +1,7 @@
-"""Where a stage's outputs go with ``gpu_tensors: "on"`` (pure logic, with stand-ins for
-pb_utils' tensors): a pass-through output in GPU memory stays there as a DeviceTensor and feeds
-the next stage by DLPack; one in CPU memory, and every other output, becomes numpy. The same
-path runs live on this CPU-only server as the fallback (tests/live/test_pipelines.py)."""
+"""Where a stage's outputs go with ``gpu_tensors: "on"`` (``backend.Backend.infer`` with stand-ins
+for pb_utils' tensors): a pass-through output in GPU memory stays there as a DeviceTensor and
+feeds the next stage by DLPack; one in CPU memory, and every other output, becomes numpy. The
+same path runs live on this CPU-only server as the fallback (tests/live/test_pipelines.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 
 from bls_models import params
 from bls_models import spec as S
-from bls_models.subrequests import DeviceTensor, take_outputs
+from bls_models.backend import Backend, DeviceTensor
 
 
 class FakeTensor:
@@ -33,40 +33,70 @@ class FakeTensor:
         return ("capsule", self)
 
 
+class FakeResponse:
+    def has_error(self):
+        return False
+
+
 class FakePb:
-    class Tensor:
-        @staticmethod
-        def from_dlpack(name, capsule):
-            _, source = capsule
-            return FakeTensor(name, source.array, source.on_gpu)
+    """The pb_utils calls ``Backend.infer`` makes; ``exec`` answers ``outputs``."""
+
+    TRITONSERVER_MEMORY_CPU = 0
 
     def __init__(self, outputs):
         self.outputs = outputs
+        self.inputs = []
+        fake = self
+
+        class Tensor(FakeTensor):
+            def __init__(self, name, array):
+                super().__init__(name, array, on_gpu=False)
+
+            @staticmethod
+            def from_dlpack(name, capsule):
+                _, source = capsule
+                return FakeTensor(name, source.array, source.on_gpu)
+
+        class InferenceRequest:
+            def __init__(self, inputs, **_):
+                fake.inputs.append(inputs)
+
+            def exec(self):
+                return FakeResponse()
+
+        self.Tensor, self.InferenceRequest = Tensor, InferenceRequest
+
+    @staticmethod
+    def PreferredMemory(kind, device):  # noqa: N802 - pb_utils' name
+        return (kind, device)
 
     def get_output_tensor_by_name(self, response, name):
         return self.outputs.get(name)
 
 
+def infer(pb, names, keep, inputs=None):
+    return Backend(pb, "pipeline").infer("preprocess", inputs or {}, names, "r", 1000,
+                                         frozenset(keep))
+
+
 def test_a_kept_output_in_gpu_memory_stays_there_and_feeds_the_next_stage_by_dlpack():
     pixels = FakeTensor("PIXELS", np.ones((1, 3)), on_gpu=True)
     pb = FakePb({"PIXELS": pixels})
-    views, devices = {}, {}
-    assert take_outputs(pb, None, ["PIXELS"], {"PIXELS"}, views, devices) is None
-    assert views == {} and isinstance(devices["PIXELS"], DeviceTensor)
-    # Both branches take it, each as a new input over the same buffer, renamed as they need.
-    for branch in ("classifier", "embedder"):
-        fed = devices["PIXELS"].as_input(pb, "PIXELS")
+    outputs, error = infer(pb, ["PIXELS"], {"PIXELS"})
+    assert error is None and isinstance(outputs["PIXELS"], DeviceTensor)
+    # Both branches take it, each as a new input over the same buffer.
+    for _ in ("classifier", "embedder"):
+        infer(pb, [], set(), inputs={"PIXELS": outputs["PIXELS"]})
+        (fed,) = pb.inputs[-1]
         assert fed.on_gpu and fed.array is pixels.array
-    devices["PIXELS"].release()
-    with pytest.raises(RuntimeError, match="released"):
-        devices["PIXELS"].as_input(pb, "PIXELS")
+    Backend(pb, "pipeline").release_devices([outputs["PIXELS"]])
+    assert outputs["PIXELS"].tensor is None
 
 
 def test_a_kept_output_in_cpu_memory_falls_back_to_numpy():
     pixels = FakeTensor("PIXELS", np.ones((1, 3)), on_gpu=False)
-    views, devices = {}, {}
-    assert take_outputs(FakePb({"PIXELS": pixels}), None, ["PIXELS"], {"PIXELS"}, views, devices) is None
-    assert devices == {} and views["PIXELS"] is pixels.array and pixels.dlpack_calls == 0
+    outputs, error = infer(FakePb({"PIXELS": pixels}), ["PIXELS"], {"PIXELS"})
+    assert error is None and outputs["PIXELS"] is pixels.array and pixels.dlpack_calls == 0
 
 
 def test_outputs_that_are_not_kept_never_stay_on_the_gpu():
@@ -74,15 +104,13 @@ def test_outputs_that_are_not_kept_never_stay_on_the_gpu():
     # tensor for numpy fails loudly rather than silently.
     logits = FakeTensor("LOGITS", np.ones((1, 1000)), on_gpu=True)
     with pytest.raises(RuntimeError, match="stored in GPU"):
-        take_outputs(FakePb({"LOGITS": logits}), None, ["LOGITS"], set(), {}, {})
+        infer(FakePb({"LOGITS": logits}), ["LOGITS"], set())
 
 
 def test_a_missing_output_keeps_nothing():
     pixels = FakeTensor("PIXELS", np.ones((1, 3)), on_gpu=True)
-    views, devices = {}, {}
-    missing = take_outputs(FakePb({"PIXELS": pixels}), None, ["PIXELS", "OTHER"], {"PIXELS"},
-                           views, devices)
-    assert missing == "OTHER" and views == {} and devices == {}
+    outputs, error = infer(FakePb({"PIXELS": pixels}), ["PIXELS", "OTHER"], {"PIXELS"})
+    assert outputs is None and error == "the response has no output 'OTHER'"
 
 
 def test_only_pass_through_outputs_are_kept_and_the_parameter_parses():
@@ -124,8 +152,7 @@ def gpu_orchestrator(pb, repository, tmp_path, device_id: str, **parameters: str
     rendered = tmp_path / "gpu"
     profiles.write("gpu", repository, rendered)
     config = profiles.profile_config(S.PIPELINE, "gpu")
-    config["parameters"].update({k: {"string_value": v}
-                                 for k, v in {"coalesce": "off", **parameters}.items()})
+    config["parameters"].update({k: {"string_value": v} for k, v in parameters.items()})
     return Orchestrator(pb, {"model_name": "pipeline", "model_config": json.dumps(config),
                              "model_repository": str(rendered / "pipeline"),
                              "model_instance_kind": "CPU",
@@ -140,7 +167,7 @@ def test_kept_outputs_stay_on_the_gpu_that_produced_them_not_on_gpu_0(made, repo
     GPU 0 (as before) put every image's PIXELS on GPU 0, with a device-to-device copy from the
     others. The orchestrator's own device id cannot help: KIND_CPU instances all report 0."""
     from tests.unit.fake_pb_utils import FakePbUtils, Request
-    from tests.unit.test_runtime import image, sub_models, wait_answered
+    from tests.unit.support import image, sub_models, wait_answered
 
     pb = FakePbUtils(sub_models())
     made.append(orchestrator := gpu_orchestrator(pb, repository, tmp_path, device_id))
@@ -158,7 +185,7 @@ def test_kept_outputs_stay_on_the_gpu_that_produced_them_not_on_gpu_0(made, repo
 
 def test_without_gpu_tensors_every_output_is_asked_for_in_cpu_memory(made, repository, tmp_path):
     from tests.unit.fake_pb_utils import FakePbUtils, Request
-    from tests.unit.test_runtime import image, sub_models, wait_answered
+    from tests.unit.support import image, sub_models, wait_answered
 
     pb = FakePbUtils(sub_models())
     made.append(orchestrator := gpu_orchestrator(pb, repository, tmp_path, "0", gpu_tensors="off"))

@@ -3,6 +3,7 @@
 from bls_models.errors import Code, Kind
 import math
 
+from bls_models.backend import Backend
 from bls_models.metrics import (FAMILIES, LATENCY_BUCKETS, REQUEST_CODES, Metrics, exposed,
                                 known_series)
 
@@ -45,7 +46,7 @@ class _PbUtils:
 
 def test_counters_and_gauges_wait_for_flush_one_call_per_series():
     pb = _PbUtils()
-    metrics = Metrics(pb, "pipeline")
+    metrics = Metrics(Backend(pb, "pipeline"), "pipeline")
     for _ in range(100):
         metrics.increment("bls_requests_total", code="SUCCESS")
     metrics.increment("bls_requests_total", code="INTERNAL")
@@ -59,7 +60,7 @@ def test_counters_and_gauges_wait_for_flush_one_call_per_series():
 
 def test_a_gauge_that_went_up_and_down_costs_no_call():
     pb = _PbUtils()
-    metrics = Metrics(pb, "pipeline")
+    metrics = Metrics(Backend(pb, "pipeline"), "pipeline")
     metrics.increment("bls_inflight_requests", +1)
     metrics.increment("bls_inflight_requests", +1)
     metrics.increment("bls_inflight_requests", -1)
@@ -80,7 +81,7 @@ def _published(pb) -> dict:
 
 def test_histograms_wait_for_their_flush_and_publish_prometheus_series():
     pb = _PbUtils()
-    metrics = Metrics(pb, "pipeline", stages=["classifier"])
+    metrics = Metrics(Backend(pb, "pipeline"), "pipeline", stages=["classifier"])
     for seconds in (0.0004, 0.012, 0.012, 0.3, 99.0):  # 99 s: above the last bound
         metrics.observe("bls_request_latency_seconds", seconds)
     metrics.observe("bls_stage_latency_seconds", 0.001, stage="classifier")  # on a bound: le
@@ -108,7 +109,7 @@ def test_histograms_wait_for_their_flush_and_publish_prometheus_series():
 
 def test_a_histogram_series_exposes_every_bucket_at_zero_from_load():
     pb = _PbUtils()
-    Metrics(pb, "pipeline")
+    Metrics(Backend(pb, "pipeline"), "pipeline")
     buckets = {dict(labels)["le"] for name, labels in pb.created
                if name == "bls_request_latency_seconds_bucket"}
     assert buckets == {f"{b:.16g}" for b in LATENCY_BUCKETS} | {"+Inf"}
@@ -117,7 +118,7 @@ def test_a_histogram_series_exposes_every_bucket_at_zero_from_load():
 
 def test_close_publishes_what_is_pending():
     pb = _PbUtils()
-    metrics = Metrics(pb, "pipeline")
+    metrics = Metrics(Backend(pb, "pipeline"), "pipeline")
     metrics.observe("bls_request_latency_seconds", 0.012)
     metrics.increment("bls_cancelled_requests_total", stage="classifier")
     metrics.close()
@@ -133,7 +134,7 @@ def test_every_family_is_declared_once_with_the_prefix():
 
 def test_every_known_series_exists_at_zero_from_load():
     pb = _PbUtils()
-    Metrics(pb, "pipeline", stages=["preprocess", "classifier"])
+    Metrics(Backend(pb, "pipeline"), "pipeline", stages=["preprocess", "classifier"])
     created = set(pb.created)
     assert pb.log == [], "creating a series publishes no value: it starts at 0"
     assert len(created) == len(pb.created), "a series was created twice"
@@ -155,7 +156,7 @@ def test_known_series_cover_what_the_runtime_counts():
     assert set(REQUEST_CODES) >= {"SUCCESS", "CANCELLED", "INTERNAL", "UNAVAILABLE", "INVALID_ARG"}
     # Counting a known series later reuses it: no second Metric object.
     pb = _PbUtils()
-    metrics = Metrics(pb, "m", stages=["s"])
+    metrics = Metrics(Backend(pb, "pipeline"), "m", stages=["s"])
     before = len(pb.created)
     metrics.increment("bls_cancelled_requests_total", stage="s")
     metrics.flush()

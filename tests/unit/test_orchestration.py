@@ -1,16 +1,15 @@
-"""The orchestration library without Triton: pipelines over a fake sub-model caller, errors,
-deadlines and parameters."""
+"""The orchestration library without Triton: pipelines driven by the runtime's driver
+(``bls_models.flow``) over fake sub-models, errors, deadlines and parameters."""
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import time
 
 import numpy as np
 import pytest
 
-from bls_models import params, pipelines
+from bls_models import flow, params, pipelines
 from bls_models import spec as S
 from bls_models.deadline import Deadline
 from bls_models.definition import Setup, registered
@@ -19,16 +18,18 @@ from bls_models.errors import (Code, DeadlineExceeded, InvalidInput, Kind, Pipel
 
 
 class FakeSubModels:
-    """Answers each stage after a delay, recording when calls start and end."""
+    """Answers each stage after a delay (a ``flow.run`` sender), recording when calls start and
+    end."""
 
     def __init__(self, delays: dict[str, float], fail: dict[str, PipelineError] | None = None):
         self.delays = delays
         self.fail = fail or {}
         self.log: list[tuple[str, str, float]] = []
 
-    async def __call__(self, stage, inputs, outputs, reduce=None):
+    def __call__(self, sub):
+        stage, inputs, outputs, reduce = sub.stage, sub.inputs, sub.outputs, sub.reduce
         self.log.append(("start", stage, time.monotonic()))
-        await asyncio.sleep(self.delays.get(stage, 0.0))
+        time.sleep(self.delays.get(stage, 0.0))
         self.log.append(("end", stage, time.monotonic()))
         self.requested = list(outputs)
         if stage in self.fail:
@@ -46,8 +47,9 @@ class FakeSubModels:
         return reduce(result) if reduce else result
 
 
-def run(coroutine):
-    return asyncio.run(coroutine)
+def run(pipeline, inputs, fake, setup=Setup()):
+    """``pipeline`` over ``fake``, gathered branches on threads of their own."""
+    return flow.run(pipeline(inputs, flow.SubRequest, setup), fake, threads=4)
 
 
 def image_inputs(batch=2):
@@ -57,7 +59,7 @@ def image_inputs(batch=2):
 def test_branches_run_concurrently():
     fake = FakeSubModels({"preprocess": 0.01, "classifier": 0.2, "embedder": 0.2})
     started = time.monotonic()
-    out = run(pipelines.image_pipeline(image_inputs(), fake))
+    out = run(pipelines.image_pipeline, image_inputs(), fake)
     elapsed = time.monotonic() - started
     starts = {stage: t for kind, stage, t in fake.log if kind == "start"}
     ends = {stage: t for kind, stage, t in fake.log if kind == "end"}
@@ -68,18 +70,11 @@ def test_branches_run_concurrently():
     assert out["CLASS_PROBS"].dtype == np.float32 and out["EMBEDDING"].shape == (2, 256)
 
 
-def test_sequential_fanout_runs_one_branch_after_the_other():
-    fake = FakeSubModels({"classifier": 0.05, "embedder": 0.05})
-    run(pipelines.image_pipeline(image_inputs(), fake, Setup(options={"fanout": "sequential"})))
-    order = [(kind, stage) for kind, stage, _ in fake.log]
-    assert order.index(("end", "classifier")) < order.index(("start", "embedder"))
-
-
 def test_a_failing_branch_waits_for_its_sibling_then_raises():
     failure = sub_request_failed("classifier", "classifier", "boom")
     fake = FakeSubModels({"embedder": 0.1}, fail={"classifier": failure})
     with pytest.raises(PipelineError) as raised:
-        run(pipelines.image_pipeline(image_inputs(), fake))
+        run(pipelines.image_pipeline, image_inputs(), fake)
     assert raised.value is failure
     assert ("end", "embedder") in [(k, s) for k, s, _ in fake.log], "sibling left running"
 
@@ -87,7 +82,7 @@ def test_a_failing_branch_waits_for_its_sibling_then_raises():
 def test_a_failed_preprocess_issues_no_further_stage():
     fake = FakeSubModels({}, fail={"preprocess": sub_request_failed("preprocess", "p", "x")})
     with pytest.raises(PipelineError):
-        run(pipelines.image_pipeline(image_inputs(), fake))
+        run(pipelines.image_pipeline, image_inputs(), fake)
     assert {s for _, s, _ in fake.log} == {"preprocess"}
 
 
@@ -115,7 +110,7 @@ def test_tag_pipeline_asks_the_tagger_for_what_it_reduces_or_reduces_logits_itse
     fake = FakeSubModels({})
     tokens = np.ones((2, S.TAGGER_SEQ_LEN), np.int64)
     setup = Setup(contracts={"tagger": S.TAGGER_TAGS if reduced_by_model else S.TAGGER})
-    out = run(pipelines.tag_pipeline({"TOKENS": tokens}, fake, setup))
+    out = run(pipelines.tag_pipeline, {"TOKENS": tokens}, fake, setup)
     assert fake.requested == requested
     assert set(out) == {"TAGS", "TAG_PROBS"}
     assert out["TAGS"].shape == (2, S.TAGGER_SEQ_LEN) and out["TAGS"].dtype == np.int64
@@ -132,14 +127,14 @@ def test_reduce_tags_gives_argmax_and_its_probability():
 
 
 @pytest.mark.parametrize("bad", [-1, S.TAGGER_VOCAB, 10**9])
-def test_out_of_range_tokens_are_invalid_input_and_no_sub_request_is_made(bad):
+def test_out_of_range_tokens_fail_tag_pipelines_check(bad):
     tokens = np.zeros((1, S.TAGGER_SEQ_LEN), np.int64)
     tokens[0, 3] = bad
-    fake = FakeSubModels({})
+    check = S.TAG_PIPELINE_DEF.check_function()
     with pytest.raises(InvalidInput) as raised:
-        run(pipelines.tag_pipeline({"TOKENS": tokens}, fake))
+        check({"TOKENS": tokens})
     assert raised.value.code is Code.INVALID_ARG and str(bad) in raised.value.message
-    assert fake.log == []
+    check({"TOKENS": np.full((1, S.TAGGER_SEQ_LEN), S.TAGGER_VOCAB - 1, np.int64)})
 
 
 @pytest.mark.parametrize("message, kind, code", [
@@ -206,20 +201,21 @@ def test_parameters_default_and_override():
     assert config.stage("classifier").timeout_ms == 150
     assert config.stage("preprocess") == params.Stage("preprocess", "preprocess", 0)
     assert config.default_deadline_ms == 2000
-    assert (config.options, config.concurrency_mode) == ({"fanout": "concurrent"}, "event_loop")
+    assert config.options == {} and config.return_within_ms == 1000
 
 
 def test_bad_parameters_are_all_reported():
     with pytest.raises(params.ConfigError) as raised:
         IMAGE.parse({"classifer_model": "x", "classifier_timeout_ms": "soon",
-                     "default_deadline_ms": "0", "fanout": "parallel"})
+                     "default_deadline_ms": "0", "gpu_tensors": "yes", "coalesce": "on"})
     message = str(raised.value)
     for fragment in ("unknown parameter 'classifer_model'", "'classifier_timeout_ms' must be an integer",
-                     "'default_deadline_ms' must be >= 1", "'fanout' must be one of"):
+                     "'default_deadline_ms' must be >= 1", "'gpu_tensors' must be one of",
+                     "unknown parameter 'coalesce'"):
         assert fragment in message
 
 
-@pytest.mark.parametrize("key", ["fanout", "gpu_tensors", "classifier_model"])
+@pytest.mark.parametrize("key", ["gpu_tensors", "classifier_model"])
 def test_a_parameter_the_pipeline_does_not_use_is_a_load_error(key):
     """tag_pipeline has one stage and no pass-through outputs: these would do nothing there."""
     assert key in {p.name for p in IMAGE.accepted()}

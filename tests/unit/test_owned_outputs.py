@@ -1,5 +1,6 @@
-"""Sub-response outputs: used as they are when the stub owns their memory (the python backend's
-own copies), copied when they borrow a buffer that dies with the response (``owns_memory``)."""
+"""Sub-response outputs and request inputs: used as they are when the stub owns their memory (the
+python backend's own copies), copied when they borrow a buffer that dies with the response or
+the request (``backend.owns_memory``)."""
 
 from __future__ import annotations
 
@@ -8,9 +9,9 @@ import mmap
 import numpy as np
 
 from bls_models import spec as S
-from bls_models.subrequests import owns_memory
+from bls_models.backend import owns_memory
 from tests.unit.fake_pb_utils import FakePbUtils, Request
-from tests.unit.test_runtime import image, orchestrator, sub_models, wait_answered
+from tests.unit.support import image, orchestrator, sub_models, wait_answered
 
 
 def test_numpy_allocations_and_views_of_them_are_owned():

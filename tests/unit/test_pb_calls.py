@@ -21,11 +21,16 @@ def test_an_echo_model_has_pipelines_contract_and_batching_without_its_parameter
     assert echo.count("{") == echo.count("}")
 
 
-def test_answers_returned_from_execute_make_no_send_and_sent_ones_one_each():
+def test_answers_returned_from_execute_make_no_round_trip_and_sent_ones_one_each():
     counts = pb_calls.calls_per_request()
     for label, per_request in counts.items():
         assert per_request["InferenceResponse"] == 1.0, label
-        assert per_request["get_response_sender"] == 1.0, label
-        assert per_request.get("send", 0.0) == (0.0 if "returned" in label else 1.0), label
+        returned = "returned" in label
+        for call in ("get_response_sender", "send", "is_cancelled"):
+            if returned:
+                # Only a batch a loaded host makes slower than the hold is sent (CI: 1 of 50).
+                assert per_request.get(call, 0.0) <= 0.1, (label, call)
+            else:
+                assert per_request.get(call, 0.0) == 1.0, (label, call)
     # Four requests per execute share their sub-requests (one group).
     assert counts["4 per execute, sent"]["exec"] < counts["1 per execute, sent"]["exec"]

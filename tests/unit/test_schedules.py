@@ -1,7 +1,8 @@
 """A property test over random schedules (``hypothesis``): arrivals in batches, deadlines,
 cancellations, sub-model latencies, item-caused failures (a poisoned image fails its classifier
 batch) and stage-wide failures (every request, with an error an item causes or one it does not),
-coalescing on and off — over the r24.10-like fake ``pb_utils``.
+as committed and with every answer sent (``return_within_ms`` 0) — over the r24.10-like fake
+``pb_utils``.
 
 For every schedule:
 * exactly once: every request gets one answer, no rule of the fake is broken;
@@ -9,13 +10,11 @@ For every schedule:
 * innocent rows exact: a success carries exactly its own rows, and a request that is neither
   poisoned, cancelled, short of time nor in a sick stage succeeds;
 * bounded: no stage gets more sub-requests than the requests that reach it plus the isolation
-  budgets (``coalescing.IsolationBudget``: one group in reserve, half a re-send per success;
-  the runtime's for a failed group's members, and with coalescing on the coalescer's);
-  a stage that fails every request with an error no item causes, exactly one per request at
-  most.
+  budget (``isolation.Budget``: its reserve, one re-run per success); a stage that fails every
+  request with an error no item causes, one per request at most.
 
-``SCHEDULES`` examples per coalescing mode (default 20; the seed is fixed, so CI runs the same
-ones; raise it to search further, e.g. ``SCHEDULES=300 pytest tests/unit/test_schedules.py``).
+``SCHEDULES`` examples per setup (default 20; the seed is fixed, so CI runs the same ones;
+raise it to search further, e.g. ``SCHEDULES=300 pytest tests/unit/test_schedules.py``).
 """
 
 from __future__ import annotations
@@ -28,11 +27,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from bls_models import spec as S
+from bls_models.isolation import EARNED_PER_SUCCESS
 from tests.unit.fake_pb_utils import FakePbUtils, Request
 from tests.unit.row_models import (ITEM_ERROR, POISON, STAGE_ERROR, DirectedRowModels, code_of,
                                    exact, image_of)
-from tests.unit.test_runtime import orchestrator
+from tests.unit.support import orchestrator
 
 SLACK = 0.25  # tests/live/support.SLACK
 DEFAULT_DEADLINE_MS = 3000
@@ -82,11 +81,14 @@ def at_most_two_poisoned(schedule) -> bool:
     return sum(p.poisoned for _, batch in calls for p in batch) <= 2
 
 
-def run(schedule, coalesce: str) -> None:
+SETUPS = {"committed": {}, "sent": {"return_within_ms": "0"}}
+
+
+def run(schedule, setup: str) -> None:
     calls, sick = schedule
     pb = FakePbUtils(DirectedRowModels(sick=dict([sick]) if sick else None).models())
-    orch = orchestrator(pb, coalesce=coalesce, default_deadline_ms=str(DEFAULT_DEADLINE_MS))
-    pb.forbidden_locks.append(orch.lock)
+    orch = orchestrator(pb, **SETUPS[setup], default_deadline_ms=str(DEFAULT_DEADLINE_MS))
+    pb.forbidden_locks.append(orch.backend.lock)
     requests, plans, sent = [], [], []
     try:
         for gap_ms, batch in calls:
@@ -102,11 +104,10 @@ def run(schedule, coalesce: str) -> None:
     finally:
         pb.finalize(orch)
     assert pb.violations == []
-    check(pb, requests, plans, sent, sick, coalesce, orch.group_rows)
+    check(pb, requests, plans, sent, sick, setup, orch.budget.capacity)
 
 
-def check(pb, requests, plans, sent, sick, coalesce, group_rows) -> None:
-    reaching = dict.fromkeys(STAGES, 0)
+def check(pb, requests, plans, sent, sick, setup, reserve) -> None:
     for request, plan, at in zip(requests, plans, sent):
         (response,) = request.answers  # exactly once
         deadline = (plan.deadline_ms or DEFAULT_DEADLINE_MS) / 1e3
@@ -117,27 +118,20 @@ def check(pb, requests, plans, sent, sick, coalesce, group_rows) -> None:
             assert not plan.poisoned and not sick, plan
         if plan.poisoned:
             assert code != "SUCCESS"
-        if plan.cancelled:
-            assert code in ("CANCELLED", "UNAVAILABLE"), (plan, code)
+        if plan.cancelled:  # noticed once execute stops waiting for it (always, when "sent")
+            assert code in (("CANCELLED", "UNAVAILABLE") if setup == "sent" else
+                            ("CANCELLED", "UNAVAILABLE", "SUCCESS", "INVALID_ARG",
+                             "INTERNAL")), (plan, code)
         innocent = not (plan.poisoned or plan.cancelled or sick or plan.deadline_ms)
         if innocent:
             assert code == "SUCCESS", (plan, code, response.error().message())
-        reaching["preprocess"] += 1
-        if not plan.cancelled:  # checked before the second step
-            reaching["classifier"] += 1
-            reaching["embedder"] += 1
     calls = {stage: sum(1 for model, _ in pb.calls if model == stage) for stage in STAGES}
     successes = sum(1 for r in requests if code_of(r.answers[0]) == "SUCCESS")
-    # Isolation budgets: the runtime's for a failed group's members (one group of up to
-    # group_rows in reserve, half a re-run per success), and with coalescing on the coalescer's
-    # for a stage's (the same rule, sized by the stage model's max_batch_size).
-    budget = group_rows + 0.5 * successes
-    if coalesce == "on":
-        budget += S.CLASSIFIER.max_batch_size + 0.5 * successes
+    budget = reserve + EARNED_PER_SUCCESS * successes  # isolation.Budget
     for stage in STAGES:
-        assert calls[stage] <= reaching[stage] + budget, (stage, calls, reaching)
+        assert calls[stage] <= len(requests) + budget, (stage, calls, len(requests))
     if sick and sick[1] == STAGE_ERROR:
-        assert calls[sick[0]] <= reaching[sick[0]], (calls, reaching)
+        assert calls[sick[0]] <= len(requests), (calls, len(requests))
 
 
 PROFILE = settings(max_examples=int(os.environ.get("SCHEDULES", "20")), deadline=None,
@@ -146,11 +140,11 @@ PROFILE = settings(max_examples=int(os.environ.get("SCHEDULES", "20")), deadline
                                           HealthCheck.data_too_large])
 
 
-@pytest.mark.parametrize("coalesce", ["on", "off"])
-def test_every_schedule_answers_each_request_once_on_time_and_exactly(coalesce):
+@pytest.mark.parametrize("setup", list(SETUPS))
+def test_every_schedule_answers_each_request_once_on_time_and_exactly(setup):
     @PROFILE
     @given(schedules().filter(at_most_two_poisoned))
     def property_(schedule):
-        run(schedule, coalesce)
+        run(schedule, setup)
 
     property_()

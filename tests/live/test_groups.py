@@ -1,6 +1,6 @@
-"""Coalescing on a real server (``coalesce: "on"`` variants of the orchestrators over the real
-models): every request of a burst gets exactly its own rows, a poisoned request fails alone,
-each member keeps its deadline and its cancellation, and groups show in the metrics."""
+"""Groups on a real server (the committed ``pipeline`` over the real models): every request of a
+burst gets exactly its own rows, each member of a group keeps its deadline and its
+cancellation, and the groups show in the metrics."""
 
 from __future__ import annotations
 
@@ -16,11 +16,11 @@ from tritonclient.utils import InferenceServerException
 
 from bls_models import pipelines
 from bls_models import spec as S
-from modelgen import export, poison
+from modelgen import export
 from tests.live.support import (SLACK, STATUS, assert_served, batch_spread, eventually, image,
                                 metric, request_inputs, settled)
 
-COALESCED = "pipeline"  # the committed config coalesces
+COALESCED = "pipeline"  # as committed
 DISTINCT = 50  # distinct images, cycled over the burst: neighbours in a group always differ
 
 
@@ -70,8 +70,8 @@ def test_a_burst_of_600_over_grpc_each_gets_exactly_its_own_rows(server, expecte
             await client.close()
 
     labels = {"model": COALESCED, "stage": "classifier"}
-    before = settled(server, "bls_coalesced_group_size_count", **labels)
-    rows_before = settled(server, "bls_coalesced_group_size_sum", **labels)
+    before = settled(server, "bls_subrequest_rows_count", **labels)
+    rows_before = settled(server, "bls_subrequest_rows_sum", **labels)
     results = asyncio.run(burst())
     errors = [r for r in results if isinstance(r, Exception)]
     assert not errors, errors[:3]
@@ -79,9 +79,9 @@ def test_a_burst_of_600_over_grpc_each_gets_exactly_its_own_rows(server, expecte
         assert result.get_response().id == f"burst-{i}"  # request ids kept per request
         check(result, i, expected)
     # The histogram counts each request's row in exactly one classifier sub-request.
-    rows = eventually(server, "bls_coalesced_group_size_sum", rows_before + 600, **labels)
+    rows = eventually(server, "bls_subrequest_rows_sum", rows_before + 600, **labels)
     assert rows - rows_before == 600
-    groups = metric(server, "bls_coalesced_group_size_count", **labels) - before
+    groups = metric(server, "bls_subrequest_rows_count", **labels) - before
     assert 0 < groups < 600, "the burst was not grouped"
 
 
@@ -130,28 +130,6 @@ def _together(server, protocol: str, model: str, datas, timeouts=None) -> list[o
         return outcomes
     finally:
         client.close()
-
-
-@pytest.mark.parametrize("protocol", ["http", "grpc"])
-def test_a_poisoned_request_in_a_group_fails_alone_and_the_others_are_exact(server, protocol):
-    """``pipeline_poison_one_instance``: the classifier stage is the model that fails its whole
-    ONNX Runtime batch on one poisoned item (its batcher waits 200 ms for 4)."""
-    images = [image(seed) for seed in (31, 32, 33, 34)]
-    images[2] = poison.poison_image(images[2])
-    outcomes = _together(server, protocol, "pipeline_poison_one_instance", images)
-    bad = outcomes[2]
-    assert isinstance(bad, InferenceServerException), bad
-    assert bad.status() == STATUS[protocol]["INVALID_ARG"] and "out of data bounds" in bad.message()
-    for i in (0, 1, 3):
-        assert not isinstance(outcomes[i], Exception), outcomes[i]
-        # What the same image gets alone, through the same models: the same classes and
-        # embedding; the test model's probabilities depend on its batch's composition by a few
-        # float32 ulps (its MatMul), as in test_backend_errors.py.
-        (alone,) = _together(server, protocol, "pipeline_poison", [images[i]])
-        for name in ("CLASS_IDS", "EMBEDDING"):
-            np.testing.assert_array_equal(outcomes[i].as_numpy(name), alone.as_numpy(name))
-        np.testing.assert_allclose(outcomes[i].as_numpy("CLASS_PROBS"),
-                                   alone.as_numpy("CLASS_PROBS"), rtol=1e-5, atol=1e-5)
 
 
 def test_short_and_long_deadlines_in_one_group(server, expected):

@@ -1,0 +1,264 @@
+"""The python backend's API (``triton_python_backend_utils``, r24.10): the only module that calls
+it, and the place its lock rules live.
+
+* Objects that wrap backend memory (a request and its tensors, ``Tensor``, ``InferenceRequest``,
+  ``InferenceResponse``, ``TritonError``) are created, read and destroyed under ``lock``: stubs
+  crashed under bursts when several threads used pb_utils at once (``free(): invalid size``).
+* Round trips to the server hold no lock: ``exec``, ``send``, ``is_cancelled`` and metric
+  increments (holding it serialised every thread behind one IPC).
+* One ``TritonError`` per response: a shared one corrupted memory in r24.10.
+* Once ``finalized`` is set (under the lock, as ``finalize`` ends) nothing calls pb_utils, not
+  even a destructor: what a late thread holds is kept until the process exits.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+
+import numpy as np
+
+# Sub-requests and responses a thread got back after finalize: never destroyed by this runtime
+# (destroying them is a pb_utils call); the stub process exits after finalize.
+_LEFT_AT_SHUTDOWN: list = []
+
+
+class Finalized(RuntimeError):
+    """The model was finalized while a sub-request was out: its result is dropped."""
+
+
+def owns_memory(array: np.ndarray) -> bool:
+    """Whether ``array``'s memory was allocated by numpy (for it or an array it views), not
+    borrowed from a foreign buffer such as shared memory. The r24.10 stub builds a CPU tensor's
+    array with ``py::array(dtype, dims, ptr)`` and no base, which pybind11 answers with a copy
+    (``pb_tensor.cc``): requests' inputs and sub-responses' outputs already are the stub's own
+    memory, and a build that handed out views would get a copy here."""
+    while isinstance(array, np.ndarray) and not array.flags.owndata:
+        array = array.base
+    return isinstance(array, np.ndarray)
+
+
+def own(array: np.ndarray) -> np.ndarray:
+    return array if owns_memory(array) else np.array(array, copy=True)
+
+
+class DeviceTensor:
+    """A stage output kept in the sub-model's GPU memory (``gpu_tensors: "on"``): a
+    ``pb_utils.Tensor`` made with ``from_dlpack``, which shares the GPU buffer with the DLPack
+    capsule, not with the sub-response. Created and released under the lock; pipelines only pass
+    it from one stage to the next."""
+
+    __slots__ = ("tensor",)
+
+    def __init__(self, tensor) -> None:
+        self.tensor = tensor
+
+    def release(self) -> None:
+        self.tensor = None
+
+
+class Held:
+    """A response built for a request, until it is sent, returned from ``execute`` or dropped:
+    whoever holds this holds no reference to the backend object itself."""
+
+    __slots__ = ("response",)
+
+    def __init__(self, response) -> None:
+        self.response = response
+
+
+class Received:
+    """What ``execute`` reads of one request."""
+
+    __slots__ = ("request_id", "timeout_us", "inputs", "outputs", "failure")
+
+    def __init__(self) -> None:
+        self.request_id, self.timeout_us, self.inputs, self.outputs = "", None, {}, None
+        self.failure: str | None = None  # "missing:<name>" or "unreadable"
+
+
+class Backend:
+    def __init__(self, pb_utils, model: str) -> None:
+        self.pb, self.model = pb_utils, model
+        # Re-entrant: logging (a pb_utils call) takes it too, also from code that holds it.
+        self.lock = threading.RLock()
+        self.finalized = threading.Event()
+        self._cpu = None
+
+    # -- requests (execute's thread, while the request is alive) ----------------------------
+    def read(self, request, input_names, log) -> Received:
+        """A request's id, timeout, inputs (the stub's own arrays) and requested outputs. What
+        cannot be read is logged: no id, the default deadline, or ``failure``."""
+        got = Received()
+        pb = self.pb
+        tensor = None
+        with self.lock:
+            try:
+                got.request_id = request.request_id()
+            except Exception as error:  # noqa: BLE001 - the request goes on without its id
+                log(f"could not read a request id: {error!r}", error=True)
+            try:
+                got.timeout_us = int(request.timeout())
+            except Exception as error:  # noqa: BLE001 - the default deadline applies
+                log(f"could not read the timeout of '{got.request_id}': {error!r}", error=True)
+            try:
+                for name in input_names:
+                    tensor = pb.get_input_tensor_by_name(request, name)
+                    if tensor is None:
+                        got.failure = f"missing:{name}"
+                        return got
+                    got.inputs[name] = own(tensor.as_numpy())
+                    tensor = None
+                got.outputs = list(request.requested_output_names())
+            except Exception as error:  # noqa: BLE001 - core validated it: not the client's fault
+                log(f"could not read request '{got.request_id}': {error!r}", error=True)
+                got.failure = "unreadable"
+            finally:
+                tensor = None
+        return got
+
+    def sender(self, request):
+        """The request's response sender (raises what pb_utils raises)."""
+        with self.lock:
+            return request.get_response_sender()
+
+    # -- answers ----------------------------------------------------------------------------
+    def response(self, arrays: list[tuple[str, np.ndarray]]) -> Held:
+        with self.lock:
+            return Held(self.pb.InferenceResponse(
+                output_tensors=[self.pb.Tensor(name, array) for name, array in arrays]))
+
+    def error_response(self, message: str, code: str) -> Held:
+        pb = self.pb
+        with self.lock:  # one TritonError per response
+            return Held(pb.InferenceResponse(error=pb.TritonError(message,
+                                                                  getattr(pb.TritonError, code))))
+
+    def send(self, sender, held: Held) -> None:
+        """The final response through ``sender`` (a round trip; no lock), then dropped. In
+        r24.10 the sender closes before the response crosses (``response_sender.cc``), so a
+        send that raises cannot be retried."""
+        try:
+            sender.send(held.response, flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        finally:
+            self.release(held)
+
+    @staticmethod
+    def take(held: Held):
+        """The response, for ``execute`` to return (the stub takes it from there)."""
+        response, held.response = held.response, None
+        return response
+
+    def release(self, held: Held | None) -> None:
+        """Drop a response not sent or returned, under the lock (kept once finalized)."""
+        if held is None:
+            return
+        with self.lock:
+            if self.finalized.is_set() and held.response is not None:
+                _LEFT_AT_SHUTDOWN.append(held.response)
+            held.response = None
+
+    def release_devices(self, devices) -> None:
+        """Release GPU buffers kept for a group (``DeviceTensor``), under the lock."""
+        with self.lock:
+            for device in devices:
+                if self.finalized.is_set():
+                    _LEFT_AT_SHUTDOWN.append(device.tensor)
+                device.release()
+
+    def is_cancelled(self, sender) -> bool:
+        """Whether the client cancelled (a round trip; no lock)."""
+        return bool(sender.is_cancelled())
+
+    # -- sub-requests (a worker thread) -----------------------------------------------------
+    def infer(self, model: str, inputs: dict, outputs: list[str], request_id: str,
+              timeout_us: int, keep: frozenset = frozenset(), reduce=None):
+        """One sub-request: ``(outputs, None)`` or ``(None, the error response's message)``.
+        CPU outputs are the stub's own arrays (or ``reduce`` of them, computed while the
+        response is alive); an output named in ``keep`` that arrives in GPU memory stays there
+        as a ``DeviceTensor``. Raises on this runtime's own failure (``Finalized`` if the model
+        was finalized meanwhile)."""
+        pb = self.pb
+        request = response = tensor = None
+        try:
+            with self.lock:
+                memory = {} if keep else {"preferred_memory": self._cpu_memory()}
+                request = pb.InferenceRequest(
+                    model_name=model, requested_output_names=outputs, request_id=request_id,
+                    timeout=timeout_us, inputs=[
+                        pb.Tensor.from_dlpack(name, value.tensor.to_dlpack())
+                        if isinstance(value, DeviceTensor) else pb.Tensor(name, value)
+                        for name, value in inputs.items()], **memory)
+            response = request.exec()  # blocks (GIL released) until the sub-model answers
+            views, devices = {}, {}
+            with self.lock:
+                if self.finalized.is_set():
+                    raise Finalized(model)
+                if response.has_error():
+                    return None, response.error().message()
+                for name in outputs:
+                    tensor = pb.get_output_tensor_by_name(response, name)
+                    if tensor is None:
+                        for device in devices.values():
+                            device.release()
+                        return None, f"the response has no output '{name}'"
+                    if keep and name in keep and not tensor.is_cpu():
+                        devices[name] = DeviceTensor(pb.Tensor.from_dlpack(name,
+                                                                           tensor.to_dlpack()))
+                    else:
+                        views[name] = tensor.as_numpy()  # CPU memory: the fallback for keep
+                tensor = None
+            # numpy only, while the response (which keeps any borrowed memory) is alive
+            result = reduce(views) if reduce is not None else {n: own(v)
+                                                               for n, v in views.items()}
+            del views
+            return {**result, **devices}, None
+        finally:
+            with self.lock:  # backend objects die under the lock
+                if self.finalized.is_set():
+                    _LEFT_AT_SHUTDOWN.append((request, response, tensor))
+                request = response = tensor = None
+
+    def _cpu_memory(self):
+        if self._cpu is None:
+            self._cpu = self.pb.PreferredMemory(self.pb.TRITONSERVER_MEMORY_CPU, 0)
+        return self._cpu
+
+    # -- metrics and the log ------------------------------------------------------------------
+    def metric_family(self, name: str, description: str, kind: str):
+        with self.lock:
+            return self.pb.MetricFamily(name=name, description=description,
+                                        kind=getattr(self.pb.MetricFamily, kind))
+
+    def metric(self, family, labels: dict[str, str]):
+        """A series of ``family`` (a round trip: it registers with the server)."""
+        return family.Metric(labels=labels)
+
+    def increment(self, metric, value: float) -> None:
+        metric.increment(value)  # a round trip; no lock
+
+    def clear(self, *collections) -> None:
+        """Empty containers of backend objects, in order, under the lock (metrics go before
+        their families: a python backend rule)."""
+        with self.lock:
+            for collection in collections:
+                if self.finalized.is_set():
+                    _LEFT_AT_SHUTDOWN.append(dict(collection))
+                collection.clear()
+
+    def log(self, message: str, error: bool = False) -> None:
+        """Log through Triton (nothing once finalized). Never raises."""
+        try:
+            with self.lock:
+                if not self.finalized.is_set():
+                    logger = self.pb.Logger
+                    (logger.log_error if error else logger.log_info)(f"[{self.model}] {message}")
+        except Exception:  # noqa: BLE001 - the stub's stderr is the last resort
+            try:
+                print(f"[{self.model}] {message}", file=sys.stderr, flush=True)
+            except Exception:  # noqa: BLE001
+                pass
+
+    def finalize(self) -> None:
+        with self.lock:
+            self.finalized.set()

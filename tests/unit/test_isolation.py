@@ -1,0 +1,236 @@
+"""A bad request fails alone, with the shipped configuration, over the r24.10-like fake: the
+per-request check before rows are stacked, isolation of a failure one row may cause (several bad
+rows in a batch included), its budget refilling under any traffic, no amplification of a stage
+that fails everything, and isolations of two instances that never overlap."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+
+from bls_models import spec as S
+from bls_models.errors import InvalidInput
+from tests.unit.fake_pb_utils import FakePbUtils, Request, SubModelError
+from tests.unit.row_models import (ITEM_ERROR, POISON, STAGE_ERROR, DirectedRowModels, code_of,
+                                   exact, image_of)
+from tests.unit.support import counted, orchestrator, wait_answered
+
+
+def answered_codes(requests) -> list[str]:
+    wait_answered(requests)
+    return [code_of(r.answers[0]) for r in requests]
+
+
+def test_a_poisoned_row_fails_alone_and_the_others_get_their_own_rows(made):
+    pb = FakePbUtils(DirectedRowModels(poisoned_stages=("embedder",)).models())
+    made.append(orch := orchestrator(pb))
+    values = (20, POISON, 22, 23)
+    requests = [Request(image_of(v), request_id=f"r{v}") for v in values]
+    pb.execute(orch, requests)
+    assert answered_codes(requests) == ["SUCCESS", "INVALID_ARG", "SUCCESS", "SUCCESS"]
+    assert "stage 'embedder'" in requests[1].answers[0].error().message()
+    for request, value in zip(requests, values):
+        if value != POISON:
+            assert exact(request.answers[0], value)
+    assert counted(pb, orch, "bls_isolated_requests_total") == 4
+
+
+def test_several_bad_rows_in_one_batch_each_fail_alone(made):
+    pb = FakePbUtils(DirectedRowModels(poisoned_stages=("classifier", "embedder")).models())
+    made.append(orch := orchestrator(pb))
+    values = (POISON, 20, POISON, 21, 22, POISON, 23, 24)
+    requests = [Request(image_of(v), request_id=f"r{i}") for i, v in enumerate(values)]
+    pb.execute(orch, requests)
+    codes = answered_codes(requests)
+    assert codes == ["INVALID_ARG" if v == POISON else "SUCCESS" for v in values], codes
+    for request, value in zip(requests, values):
+        if value != POISON:
+            assert exact(request.answers[0], value), request._id
+
+
+def test_the_per_request_check_runs_before_rows_are_stacked(made):
+    """``tag_pipeline``'s token check is per request by nature: a bad request is refused in
+    ``execute`` and the good ones run as one group, with no isolation and no bad row sent."""
+    sent_tokens = []
+
+    def tagger(inputs, request):
+        tokens = inputs["TOKENS"]
+        sent_tokens.append(tokens.copy())
+        return {"TAGS": tokens % 7, "TAG_PROBS": np.ones(tokens.shape, np.float32)}
+
+    pb = FakePbUtils({"tagger_tags": tagger})
+    made.append(orch := orchestrator(pb, "tag_pipeline"))
+    requests = []
+    for i in range(8):
+        tokens = np.full((1, S.TAGGER_SEQ_LEN), 100 + i, np.int64)
+        if i % 2:
+            tokens[0, 5] = S.TAGGER_VOCAB + i  # out of the vocabulary
+        requests.append(Request({"TOKENS": tokens}, request_id=f"t{i}"))
+    for index in range(0, 8, 4):  # two execute calls of 4
+        pb.execute(orch, requests[index:index + 4])
+    assert answered_codes(requests) == ["SUCCESS", "INVALID_ARG"] * 4
+    assert f"got 1 outside, e.g. {S.TAGGER_VOCAB + 1}" in requests[1].answers[0].error().message()
+    assert all((tokens < S.TAGGER_VOCAB).all() for tokens in sent_tokens)
+    assert [len(tokens) for tokens in sent_tokens] == [2, 2]  # the good ones, as one group
+    assert counted(pb, orch, "bls_isolated_requests_total") == 0
+
+
+def test_a_request_alone_that_a_sub_model_rejects_once_is_tried_once_more(made):
+    """The sub-model's own batcher may have put a request with another client's bad row: a
+    request that fails alone with INVALID runs once more; a truly bad one fails the second
+    time too."""
+    rejected = {"unlucky": 1, "bad": 99}
+
+    models = DirectedRowModels().models()
+    classifier = models["classifier"]
+
+    def sometimes(inputs, request):
+        for name, left in rejected.items():
+            if name in request.request_id and left:
+                rejected[name] = left - 1
+                raise SubModelError(ITEM_ERROR)
+        return classifier(inputs, request)
+
+    models["classifier"] = sometimes
+    pb = FakePbUtils(models)
+    made.append(orch := orchestrator(pb))
+    unlucky, bad = Request(image_of(20), request_id="unlucky"), Request(image_of(21),
+                                                                         request_id="bad")
+    pb.execute(orch, [unlucky])
+    pb.execute(orch, [bad])
+    assert answered_codes([unlucky, bad]) == ["SUCCESS", "INVALID_ARG"]
+    assert exact(unlucky.answers[0], 20)
+    assert [rid for model, rid in pb.calls if model == "classifier"] == ["unlucky"] * 2 + ["bad"] * 2
+
+
+def test_the_budget_refills_under_single_request_traffic(made):
+    """Rounds of a batch with one bad row (isolated: 4 re-runs) between single good requests:
+    every round's innocents succeed, long after a budget that only batches refill would be
+    spent (its reserve is RESERVE_GROUPS groups)."""
+    pb = FakePbUtils(DirectedRowModels(poisoned_stages=("embedder",)).models())
+    made.append(orch := orchestrator(pb))
+    rounds = 3 * int(orch.budget.capacity) // 4
+    for round_ in range(rounds):
+        batch = [Request(image_of(v), request_id=f"{round_}.{v}") for v in (20, POISON, 22, 23)]
+        pb.execute(orch, batch)
+        assert answered_codes(batch) == ["SUCCESS", "INVALID_ARG", "SUCCESS", "SUCCESS"], round_
+        singles = [Request(image_of(30 + i), request_id=f"{round_}.s{i}") for i in range(2)]
+        for single in singles:
+            pb.execute(orch, [single])
+        assert answered_codes(singles) == ["SUCCESS", "SUCCESS"]
+
+
+def test_a_stage_rejecting_every_row_is_not_amplified_beyond_the_budget(made):
+    """Every row rejected as invalid: re-runs stop once the reserve is spent, then each batch
+    is answered with its error as it is."""
+    pb = FakePbUtils(DirectedRowModels(poisoned_stages=("classifier",)).models())
+    made.append(orch := orchestrator(pb))
+    requests = []
+    for index in range(40):
+        batch = [Request(image_of(POISON), request_id=f"{index}.{i}") for i in range(4)]
+        pb.execute(orch, batch)
+        requests += batch
+    assert set(answered_codes(requests)) == {"INVALID_ARG"}
+    classifier = sum(1 for model, _ in pb.calls if model == "classifier")
+    assert classifier <= 40 + orch.budget.capacity, classifier
+
+
+def test_a_stage_failing_every_request_is_never_re_run(made):
+    """An error no row causes (out of memory): each group's sub-request fails once and every
+    member hears that failure promptly."""
+    pb = FakePbUtils(DirectedRowModels(sick={"embedder": STAGE_ERROR}).models())
+    made.append(orch := orchestrator(pb))
+    requests = [Request(image_of(20 + i), request_id=f"r{i}") for i in range(40)]
+    started = time.monotonic()
+    for index in range(0, 40, 4):
+        pb.execute(orch, requests[index:index + 4])
+    assert set(answered_codes(requests)) == {"INTERNAL"}
+    assert max(r.sender.answered_at for r in requests) - started < 2.0
+    assert all("stage 'embedder'" in r.answers[0].error().message() for r in requests)
+    assert sum(1 for model, _ in pb.calls if model == "embedder") == 10
+
+
+def test_an_innocent_member_hears_the_stages_failure_not_another_members_invalid(made):
+    """A group met both a bad row (classifier) and a stage failing as a whole (embedder): no
+    re-runs, and every member hears the stage's failure."""
+    pb = FakePbUtils(DirectedRowModels(sick={"embedder": STAGE_ERROR}).models())
+    made.append(orch := orchestrator(pb))
+    requests = [Request(image_of(v)) for v in (20, POISON, 22)]
+    pb.execute(orch, requests)
+    assert answered_codes(requests) == ["INTERNAL"] * 3
+    assert counted(pb, orch, "bls_isolated_requests_total") == 0
+
+
+def test_a_bug_the_run_function_hits_for_one_row_fails_only_that_request(made):
+    pb = FakePbUtils(DirectedRowModels().models())
+    made.append(orch := orchestrator(pb))
+    pipeline = orch.run
+
+    async def buggy(inputs, call, setup):
+        if (inputs["IMAGE"] == 9).reshape(len(inputs["IMAGE"]), -1).all(axis=1).any():
+            raise ZeroDivisionError("a bug")
+        return await pipeline(inputs, call, setup)
+
+    orch.run = buggy
+    requests = [Request(image_of(v)) for v in (20, 9, 22)]
+    pb.execute(orch, requests)
+    assert answered_codes(requests) == ["SUCCESS", "INTERNAL", "SUCCESS"]
+    assert "ZeroDivisionError" not in requests[1].answers[0].error().message()
+
+
+def test_a_check_that_raises_invalid_input_in_the_run_function_isolates_too(made):
+    """A run function may still reject rows itself (``InvalidInput``): its group is re-run
+    member by member."""
+    pb = FakePbUtils(DirectedRowModels().models())
+    made.append(orch := orchestrator(pb))
+    pipeline = orch.run
+
+    async def rejecting(inputs, call, setup):
+        if (inputs["IMAGE"] == 7).reshape(len(inputs["IMAGE"]), -1).all(axis=1).any():
+            raise InvalidInput("image 7 is not allowed")
+        return await pipeline(inputs, call, setup)
+
+    orch.run = rejecting
+    requests = [Request(image_of(v)) for v in (20, 7, 22)]
+    pb.execute(orch, requests)
+    assert answered_codes(requests) == ["SUCCESS", "INVALID_ARG", "SUCCESS"]
+
+
+def test_two_instances_never_isolate_at_the_same_time(made):
+    """Two orchestrators of one model (its instances: one lock file) isolate a bad batch each at
+    once: the one-row re-runs of one never overlap the other's, so no re-run meets another's
+    bad row in a sub-model's batch."""
+    lock = threading.Lock()
+    spans: list[tuple[float, float, int]] = []
+    rows = DirectedRowModels(poisoned_stages=("classifier",))
+    classifier = rows.models()["classifier"]
+
+    def timed(inputs, request):
+        started = time.monotonic()
+        try:
+            time.sleep(0.01)
+            return classifier(inputs, request)
+        finally:
+            with lock:
+                spans.append((started, time.monotonic(), len(inputs["PIXELS"])))
+
+    models = rows.models()
+    models["classifier"] = timed
+    fakes = [FakePbUtils(dict(models)) for _ in range(2)]
+    instances = [orchestrator(pb) for pb in fakes]
+    made.extend(instances)
+    batches = [[Request(image_of(v), request_id=f"{n}.{v}") for v in (20, POISON, 22, 23)]
+               for n in range(2)]
+    threads = [threading.Thread(target=pb.execute, args=(orch, batch))
+               for pb, orch, batch in zip(fakes, instances, batches)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for batch in batches:
+        assert answered_codes(batch) == ["SUCCESS", "INVALID_ARG", "SUCCESS", "SUCCESS"]
+    alone = sorted((start, end) for start, end, n in spans if n == 1)
+    assert len(alone) >= 8
+    assert all(later[0] >= earlier[1] for earlier, later in zip(alone, alone[1:])), alone
