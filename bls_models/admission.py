@@ -1,6 +1,7 @@
 """Admission: how many requests of an orchestrator instance run at once.
 
-At most ``max_inflight`` requests hold a slot (from the start of their group until answered);
+At most ``max_inflight`` requests hold a slot (from the start of their group until answered and
+their group has no sub-request out: the runtime releases it);
 up to ``max_queued`` more wait here for one, first come first served, each answered when its
 deadline passes. Beyond those ``execute`` waits for room, so further requests stay in Triton's
 bounded queue — but only until the earliest deadline among those it holds. Waiting here rather

@@ -23,7 +23,8 @@ def key(job) -> tuple:
 
 class Group:
     __slots__ = ("members", "inputs", "rows", "ids", "last", "lock", "flow", "out", "stage",
-                 "started", "detached", "asked", "devices", "stage_failure", "closed", "solo")
+                 "started", "detached", "asked", "devices", "stage_failure", "closed", "ended",
+                 "solo")
 
     def __init__(self, members: list, first_stage: str, solo: bool = False) -> None:
         self.members = members
@@ -48,7 +49,8 @@ class Group:
         # The first failure of a sub-request that no row causes: the group is then not re-run
         # member by member, and its members hear this failure.
         self.stage_failure = None
-        self.closed = False           # ended: what is still out is dropped when it comes back
+        self.closed = False           # its flow is over: what is still out is dropped
+        self.ended = False            # closed with nothing out: its members' slots are free
         self.solo = solo              # a member's re-run alone (isolation)
 
     def where(self) -> str:

@@ -273,15 +273,36 @@ class Orchestrator:
             except Exception:  # noqa: BLE001 - shut down: the model is unloading
                 for member in group.members:
                     self.answers.answer(member, error=shutting_down(self.model))
+                self._end(group)
 
     def _answered(self, jobs: list[Job]) -> None:
-        """Jobs were answered: their timers go, their slots to the next queued jobs. Never
-        raises."""
+        """Jobs were answered: their timers go, their slots to the next queued jobs — once
+        their group has ended (a member answered at its deadline keeps its slot while its
+        group's sub-requests are still out: the slots bound the work, not only the waiting).
+        Never raises."""
         try:
             for job in jobs:
                 if job.timer is not None:
                     job.timer.cancel()
                     job.timer = None
+            self._release([job for job in jobs if job.group is None or job.group.ended])
+        except Exception:  # noqa: BLE001 - an answer must not fail on what follows it
+            self.log(f"handing on slots failed:\n{traceback.format_exc()}", error=True)
+
+    def _end(self, group) -> None:
+        """``group`` does no more work (its flow is over and nothing of it is out): its
+        members' slots go to the next queued jobs. Never raises."""
+        try:
+            with group.lock:
+                if group.ended:
+                    return
+                group.ended = True
+            self._release(group.members)
+        except Exception:  # noqa: BLE001
+            self.log(f"handing on slots failed:\n{traceback.format_exc()}", error=True)
+
+    def _release(self, jobs: list[Job]) -> None:
+        try:
             following = self.admission.release(jobs)
             if following:
                 self._start(following, waited=True)
@@ -323,6 +344,8 @@ class Orchestrator:
             out = list(group.out)
             if group.flow is not None:
                 group.flow.close()
+        if not out:  # else the last one to come back ends it
+            self._end(group)
         for sub in out:
             self.metrics.increment("bls_abandoned_subrequests_total", stage=sub.stage)
             if deadline:
@@ -333,6 +356,7 @@ class Orchestrator:
     def _run(self, group) -> None:
         group.started = time.monotonic()
         if group.closed:  # every member was answered while it waited for a worker
+            self._end(group)
             return
         try:
             group.flow = flow.Flow(self.run(group.inputs, flow.SubRequest, self.setup))
@@ -345,6 +369,7 @@ class Orchestrator:
             self.log(f"group '{group.ids}' could not start:\n{traceback.format_exc()}",
                      error=True)
             self._fail(group, internal_error(self.model))
+            self._end(group)
             return
         if done:
             self._finish(group)
@@ -372,18 +397,23 @@ class Orchestrator:
         self._drive(group, self._send_one(group, sub))
 
     def _send_one(self, group, sub) -> list:
-        if group.closed:
-            return []
+        with group.lock:  # abandoned meanwhile: not sent (the group has ended, or will)
+            if group.closed:
+                return []
+            group.out[sub] = None
         timeout_ms = self.config.stage(sub.stage).timeout_ms
         timer = (self.clock.at(time.monotonic() + timeout_ms / 1e3, self._stage_timed_out,
                                group, sub) if timeout_ms else None)
-        group.out[sub] = None
         try:
             outputs, error = self.subrequests.send(group, sub)
         finally:
-            group.out.pop(sub, None)
+            with group.lock:
+                group.out.pop(sub, None)
+                ended = group.closed and not group.out
             if timer is not None:
                 timer.cancel()
+            if ended:  # e.g. the last sub-request of an abandoned group came back
+                self._end(group)
         return self._resume(group, sub, outputs, error)
 
     def _resume(self, group, sub, outputs, error) -> list:
@@ -480,6 +510,7 @@ class Orchestrator:
             self._fail(group, internal_error(self.model))
         finally:
             self._free(group)
+            self._end(group)
 
     def _fail(self, group, error: PipelineError) -> None:
         self.answers.answer_each(group.members, error=error)

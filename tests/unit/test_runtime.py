@@ -213,6 +213,27 @@ def test_requests_beyond_the_slots_wait_in_the_orchestrator_first_come_first_ser
     assert all(later - earlier >= 0.19 for earlier, later in zip(pairs, firsts[1:])), started
 
 
+def test_a_slot_is_held_until_the_sub_requests_of_its_group_are_back(made):
+    """A request answered at its deadline while its classifier sub-request is still out keeps
+    its slot until that sub-request is back: the next queued request starts no stage before
+    then (the slots bound the work in flight, not only the requests waiting for answers)."""
+    pb = FakePbUtils(sub_models())
+    made.append(orch := orchestrator(pb, max_inflight_requests="1", max_queued_requests="4",
+                                     return_within_ms="50"))
+    blocker = Request(image(), request_id="blocker;classifier=0.6", timeout_us=200_000)
+    queued = Request(image(), request_id="queued", timeout_us=5_000_000)
+    sent = time.monotonic()
+    pb.execute(orch, [blocker, queued])
+    wait_answered([blocker, queued])
+    assert answer(blocker).error().code() == pb.TritonError.UNAVAILABLE
+    assert blocker.sender.answered_at - sent < 0.2 + SLACK
+    assert not answer(queued).has_error()
+    classifier = next(s for s in pb.sent if s.model == "classifier" and "blocker" in s.request_id)
+    first = next(s for s in pb.sent if s.model == "preprocess" and "queued" in s.request_id)
+    assert first.started >= classifier.started + 0.6, "the queued request started while the " \
+        "answered one's sub-request was still out"
+
+
 def test_a_request_that_cannot_be_read_fails_alone(made):
     pb = FakePbUtils(sub_models())
     made.append(orch := orchestrator(pb))
