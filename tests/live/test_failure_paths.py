@@ -6,11 +6,13 @@ whatever fails).
   no item causes, under 64 concurrent requests. Every client gets the stage's error promptly,
   and the sub-model gets at most 1.5 sub-requests per client request (Triton's own count of
   what it received: ``nv_inference_request_success`` + ``_failure``).
-* Overload: 256 concurrent requests with 500 ms deadlines against ``pipeline_overload`` (8
-  requests in flight per instance) whose classifier takes 2 s: every answer within the deadline
-  + 500 ms, the median within + 300 ms (the deadline counts from arrival in ``execute``; the
-  rest is Triton's own queue, whose client-timeout check runs every 500 ms while the model's
-  instances are busy: core r24.10 ``dynamic_batch_scheduler.cc``).
+* Overload: 256 concurrent requests of 150 KB with 500 ms deadlines against
+  ``pipeline_overload`` (8 requests in flight per instance) whose classifier takes 2 s. The
+  orchestrator answers every one within the deadline + 500 ms of its arrival in ``execute``
+  (its latency histogram); at the client, the median within the deadline + 300 ms and every
+  answer within the deadline + 500 ms, each plus what the burst's 38 MB take to reach
+  ``execute`` (gRPC frontend, python backend; ``INGEST_SLACK``, half of it for the median),
+  which no orchestrator can shorten.
 * A pipeline written as docs/extending.md shows, whose run function leaves a declared output
   out for one input and raises for another: both answered INTERNAL within the deadline with no
   exception text, and the server stops on Ctrl-C at once afterwards.
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import re
 import statistics
 import time
 
@@ -31,8 +34,9 @@ import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
 from bls_models import spec as S
-from tests.live.support import (STATUS, image, metric, request_inputs, server_options, settled,
-                                timed_infer)
+from bls_models.metrics import LATENCY_BUCKETS
+from tests.live.support import (METRIC_TIMEOUT, STATUS, image, metric, metrics_text,
+                                request_inputs, server_options, settled, timed_infer)
 from tritonlocal import TritonServer
 
 SICK = "CUDA error: an illegal memory access was encountered"  # no item causes that
@@ -81,12 +85,34 @@ def test_a_sick_stage_fails_every_request_promptly_and_is_not_hammered(server, f
     assert 0 < sub_requests <= 1.5 * 64, f"{sub_requests} sub-requests for 64 client requests"
 
 
+# What reaching ``execute`` may add to a request of a 256 x 150 KB gRPC burst at the client:
+# measured 0.32-0.65 s for the last request on this 2-core host with a busy loop on one core
+# (2026-11-26; without it, about 0.15 s), while the orchestrator answered each within 25 ms of
+# its deadline counted from its arrival.
+INGEST_SLACK = 0.5
+
+
+def answered_within(server, model: str, seconds: float) -> tuple[float, float]:
+    """(answers of ``model`` whose latency in the orchestrator was at most ``seconds``, all its
+    answers), from its ``bls_request_latency_seconds`` histogram."""
+    within = 0.0
+    for line in metrics_text(server).splitlines():
+        match = re.match(r'^bls_request_latency_seconds_bucket\{(.*)\} (\S+)$', line)
+        if match:
+            labels = dict(re.findall(r'(\w+)="([^"]*)"', match.group(1)))
+            if labels.get("model") == model and labels.get("le") not in (None, "+Inf") \
+                    and abs(float(labels["le"]) - seconds) < 1e-9:
+                within += float(match.group(2))
+    return within, metric(server, "bls_request_latency_seconds_count", model=model)
+
+
 def test_overload_with_deadlines_is_answered_on_time(server):
     """256 concurrent gRPC requests, 500 ms deadlines, 16 slots in all, a classifier of 2 s
     (after a warm-up burst: the stand-in stubs' first large responses grow their shared
     memory)."""
     deadline = 0.5
     data = image(4)
+    assert deadline + 0.5 in LATENCY_BUCKETS
 
     async def load(tag: str, delay: str):
         client = grpcaio.InferenceServerClient(server.grpc_url)
@@ -108,6 +134,8 @@ def test_overload_with_deadlines_is_answered_on_time(server):
             await client.close()
 
     asyncio.run(load("warm-up", "no-delay"))
+    count_before = settled(server, "bls_request_latency_seconds_count", model="pipeline_overload")
+    within_before = answered_within(server, "pipeline_overload", deadline + 0.5)[0]
     answers = asyncio.run(load("overload", "fault_classifier:delay:2000"))
     elapsed = sorted(seconds for seconds, _ in answers)
     median = statistics.median(elapsed)
@@ -116,8 +144,22 @@ def test_overload_with_deadlines_is_answered_on_time(server):
     assert all(error is not None for _, error in answers), "a 2 s classifier met a 500 ms deadline"
     assert all(error.status() == STATUS["grpc"]["UNAVAILABLE"] for _, error in answers), \
         {error.message() for _, error in answers if error.status() != "StatusCode.UNAVAILABLE"}
-    assert elapsed[-1] < deadline + 0.5, summary
-    assert median < deadline + 0.3, summary
+    # The orchestrator's promise, from each request's arrival in execute (the histogram's
+    # series are published one after another: read until every bucket has caught up).
+    give_up = time.monotonic() + METRIC_TIMEOUT
+    while True:
+        within, count = answered_within(server, "pipeline_overload", deadline + 0.5)
+        if within - within_before >= 256 or time.monotonic() > give_up:
+            break
+        time.sleep(0.1)
+    assert count - count_before == 256, (count, count_before)
+    assert within - within_before == 256, \
+        f"{256 - (within - within_before):.0f} answered later than the deadline + 0.5 s after " \
+        f"arriving in execute; {summary}"
+    # At the client: the same, plus the time the burst takes to reach execute (the median
+    # request arrives about halfway through it).
+    assert median < deadline + 0.3 + INGEST_SLACK / 2, summary
+    assert elapsed[-1] < deadline + 0.5 + INGEST_SLACK, summary
     print(summary)
 
 
