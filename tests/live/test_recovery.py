@@ -183,8 +183,11 @@ def test_requests_in_flight_at_a_stub_kill_are_answered_by_the_server(fresh):
         for _ in range(KILLS):
             reloaded = len([1 for _, what in supervisor.reloader.events
                             if what == "reloaded: pipeline"])
+            # a stub that serves: the replaced copy's retired stubs hold nothing new
+            victim = min(pid for pid in fresh.stub_pids("pipeline")
+                         if pid not in supervisor.reloader.retired)
             kills.append(time.monotonic())
-            os.kill(min(fresh.stub_pids("pipeline")), signal.SIGKILL)
+            os.kill(victim, signal.SIGKILL)
             give_up = time.monotonic() + 30
             while (len([1 for _, what in supervisor.reloader.events
                         if what == "reloaded: pipeline"]) == reloaded
@@ -196,9 +199,16 @@ def test_requests_in_flight_at_a_stub_kill_are_answered_by_the_server(fresh):
         load.join(DEADLINE + 30)
         supervisor.stop()
     assert supervisor.error is None, supervisor.error
+    reloads = [what for _, what in supervisor.reloader.events if what == "reloaded: pipeline"]
+    assert len(reloads) == KILLS, f"{KILLS} kills of serving stubs, {len(reloads)} reloads"
     in_flight = [(a, at) for at in kills for a in answers if a.started < at <= a.finished]
     on_time = [a for a, at in in_flight if a.finished - at <= ANSWERED_WITHIN]
     owed = [a for a, at in in_flight if a.finished - at > ANSWERED_WITHIN]
+    for n, at in enumerate(kills):
+        late = sorted(round(a.finished - at, 2) for a in answers
+                      if a.started < at <= a.finished and a.finished - at > ANSWERED_WITHIN)
+        print(f"kill {n + 1}: {sum(a.started < at <= a.finished for a in answers)} in flight, "
+              f"answered later than {ANSWERED_WITHIN} s after: {late}")
     print(f"\n{KILLS} kills: {len(in_flight)} requests in flight, {len(on_time)} answered within "
           f"{ANSWERED_WITHIN} s, {len(owed)} later (owed through senders: "
           f"{sorted({a.code for a in owed})})")
