@@ -341,16 +341,24 @@ class TritonServer:
         return target
 
     def _wait_ready(self, repository: Path) -> None:
+        """Until ``/v2/health/ready`` answers 200 and then the metrics endpoint answers: r24.10
+        starts its metrics service after the HTTP one (45 ms later here; a scrape in between is
+        refused)."""
         deadline = time.monotonic() + self.options.ready_timeout
-        url = f"http://{self.http_url}/v2/health/ready"
+        urls = [f"http://{self.http_url}/v2/health/ready", self.metrics_url]
+        url = urls[0]
         while True:
             code = self.process.poll()
             if code is not None:
                 raise LauncherError(self._startup_failure(code, repository))
             try:
-                with urllib.request.urlopen(url, timeout=2) as response:
-                    if response.status == 200:
-                        return
+                for url in urls[:]:
+                    with urllib.request.urlopen(url, timeout=2) as response:
+                        if response.status != 200:
+                            break
+                    urls.remove(url)
+                if not urls:
+                    return
             except (urllib.error.URLError, ConnectionError, TimeoutError):
                 pass
             if time.monotonic() > deadline:
