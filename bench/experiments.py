@@ -203,7 +203,8 @@ def orchestration(ctx: Context) -> Result:
         "p50_c1_ms": {k: p.p50_ms for k, p in one.items() if p},
         "best": {k: p.throughput for k, p in best.items() if p}})
     result.summary += anchor_targets(ctx, result)
-    zero = ["--input-data", "zero"]  # token 0 is valid; random INT64 would not be
+    # Token 0 is valid (random INT64 would not be); TOKENS is [-1]: 512-token documents.
+    zero = ["--input-data", "zero", "--shape", f"TOKENS:{S.TAGGER_SEQ_LEN}"]
     result.add_run("tag_pipeline", perf.run("tag_pipeline", url, levels, ctx.settings, extra=zero))
     result.summary += cpu_accounting(ctx, result, local, image)
     result.plot = {"kind": "curve", "title": "Throughput vs p95 latency (concurrency sweep)",
@@ -436,7 +437,8 @@ def concurrency_designs(ctx: Context) -> Result:
 def large_output(ctx: Context) -> Result:
     result = Result("large_output", "The large-output case (tagger, 28.7 MB per sequence), concurrency 1")
     url_grpc, url_http = ctx.server.grpc_url, ctx.server.http_url
-    zero = ["--input-data", "zero"]  # token 0 is valid; random INT64 would not be
+    # Token 0 is valid (random INT64 would not be); TOKENS is [-1]: 512-token documents.
+    zero = ["--input-data", "zero", "--shape", f"TOKENS:{S.TAGGER_SEQ_LEN}"]
     shm = ["--shared-memory", "system", "--output-shared-memory-size", str(SHM_OUTPUT_BYTES)]
     cases = [
         ("`tagger` over HTTP", "tagger", url_http, "http", zero),

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench import perf
+from bls_models import spec as S
 from tritonlocal import TritonServer, on_free_ports, procs
 from tritonlocal.launcher import group_stubs
 
@@ -152,7 +153,9 @@ def drive(server: TritonServer, model: str, concurrency: int, seconds: float,
         [str(perf.PERF_ANALYZER), "-m", model, "-i", "grpc", "-u", server.grpc_url,
          "--input-data", input_data, "--concurrency-range", f"{concurrency}:{concurrency}",
          "--measurement-interval", str(int(1000 * (seconds + warmup + tail))),
-         "--stability-percentage", "1000", "--max-trials", "1"],
+         "--stability-percentage", "1000", "--max-trials", "1",
+         # tag_pipeline takes documents of any length: 512-token ones, as the tagger's window.
+         *(["--shape", f"TOKENS:{S.TAGGER_SEQ_LEN}"] if model.startswith("tag_pipeline") else [])],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         time.sleep(warmup)

@@ -114,17 +114,49 @@ class StageDef:
 @dataclass(frozen=True)
 class Setup:
     """What a pipeline's run function gets besides its inputs and ``call``: the values of its own
-    parameters (``PipelineDef.parameters``) and, per stage, the contract its model meets."""
+    parameters (``PipelineDef.parameters``), per stage the contract its model meets, the most
+    rows each stage's model takes in one sub-request (0: unknown, no limit), and which outputs
+    the run's rows asked for (``rows``, ``wants``)."""
 
     options: dict[str, object] = field(default_factory=dict)
     contracts: dict[str, ModelSpec] = field(default_factory=dict)
+    max_rows: dict[str, int] = field(default_factory=dict)
+    # Per request of the run, in row order: (its rows, the outputs it asked for). Empty: every
+    # row asked for every output.
+    asked: tuple[tuple[int, frozenset[str]], ...] = ()
+
+    def rows(self, *outputs: str) -> slice | list[int]:
+        """The rows that asked for any of ``outputs``: ``slice(None)`` when every row did (so
+        ``array[rows]`` is a view), else their indices, in order (empty when none did). Send a
+        stage only these rows, and return an output computed from them through
+        ``pipelines.scatter``."""
+        if not self.asked:
+            return slice(None)
+        picked: list[int] = []
+        start, every = 0, True
+        for count, names in self.asked:
+            if names.isdisjoint(outputs):
+                every = False
+            else:
+                picked.extend(range(start, start + count))
+            start += count
+        return slice(None) if every else picked
+
+    def wants(self, *outputs: str) -> bool:
+        """Whether any row asked for any of ``outputs``."""
+        return not self.asked or any(not names.isdisjoint(outputs) for _, names in self.asked)
+
+    @property
+    def total_rows(self) -> int | None:
+        """The run's rows, when some asked for less than every output (else None)."""
+        return sum(count for count, _ in self.asked) if self.asked else None
 
 
 # The run function: ``async run(inputs, call, setup) -> outputs``, over numpy arrays whose first
 # axis is rows (one run may hold the rows of several requests), reaching sub-models only through
 # ``await call(stage, inputs, output_names, reduce=None)`` and running independent ones together
-# with ``await gather_all(...)`` (bls_models/pipelines.py). The check: ``check(inputs)`` over one
-# request's inputs, raising ``errors.InvalidInput`` for bad client data; it runs per request
+# with ``await gather_all(...)`` (bls_models/pipelines.py). The check: ``check(inputs, setup)``
+# over one request's inputs, raising ``errors.InvalidInput`` for bad client data; it runs per request
 # before rows are stacked, so a bad request fails alone. Each is given as a callable or as
 # "module:function" (resolved at load).
 RunFunction = Callable

@@ -2,8 +2,10 @@
 per stage, each member answered from its own rows.
 
 The requests of one ``execute`` batch form groups by what they can share: input names, trailing
-shapes and dtypes, and requested outputs (``key``), up to ``rows`` rows (the orchestrator's and
-every stage model's ``max_batch_size``). Each member keeps its own deadline (the group's
+shapes and dtypes (``key``), up to ``rows`` rows (the orchestrator's and every stage model's
+``max_batch_size``). Requests asking for different outputs share a group: the run function
+learns which rows asked for what (``Setup.rows``) and sends each stage only the rows that need
+it; each member is answered with the outputs it asked for. Each member keeps its own deadline (the group's
 sub-requests live as long as its latest live member's), its own answer and its request id (a
 group's sub-requests carry its members' ids, comma-separated).
 """
@@ -17,8 +19,7 @@ import numpy as np
 
 def key(job) -> tuple:
     """Jobs with equal keys can run as one group."""
-    return (tuple(job.outputs),
-            tuple((name, value.dtype.str, value.shape[1:]) for name, value in job.inputs.items()))
+    return tuple((name, value.dtype.str, value.shape[1:]) for name, value in job.inputs.items())
 
 
 class Group:
@@ -71,9 +72,11 @@ class Group:
         return max(live, key=lambda member: member.deadline.end) if live else self.members[0]
 
     def split(self, outputs: dict) -> list[dict]:
-        """The group's outputs back by member (views). Raises ValueError when one is missing or
-        does not have one row per row of the group."""
-        names = self.members[0].outputs
+        """The group's outputs back by member (views), each member's those it asked for.
+        Raises ValueError when one asked for is missing or does not have one row per row of
+        the group."""
+        names = (self.members[0].outputs if len(self.members) == 1 else
+                 dict.fromkeys(name for member in self.members for name in member.outputs))
         values = {name: outputs.get(name) for name in names}
         for name, value in values.items():
             if value is None:
@@ -85,7 +88,8 @@ class Group:
             return [values]
         parts, start = [], 0
         for member in self.members:
-            parts.append({name: value[start:start + member.rows] for name, value in values.items()})
+            parts.append({name: values[name][start:start + member.rows]
+                          for name in member.outputs})
             start += member.rows
         return parts
 

@@ -25,6 +25,7 @@ class Param:
     meaning: str
     minimum: int | None = None
     choices: tuple[str, ...] = ()
+    maximum: int | None = None
     listed: bool = True  # written into the generated config.pbtxt (operators tune it there)
 
     def value(self, raw: str | None, problems: list[str]):
@@ -45,6 +46,8 @@ class Param:
             return int(self.default)
         if number < self.minimum:
             problems.append(f"parameter '{self.name}' must be >= {self.minimum}, got {number}")
+        elif self.maximum is not None and number > self.maximum:
+            problems.append(f"parameter '{self.name}' must be <= {self.maximum}, got {number}")
         return number
 
 

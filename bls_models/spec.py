@@ -16,6 +16,7 @@ from dataclasses import replace
 
 from bls_models.definition import (BatchingSpec, EnsembleStep, ModelSpec, PipelineDef,  # noqa: F401
                                    StageDef, TensorSpec, register)
+from bls_models.params import Param
 
 # ImageNet normalisation applied by `preprocess`.
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
@@ -46,6 +47,12 @@ TOKENS = TensorSpec("TOKENS", "TYPE_INT64", (TAGGER_SEQ_LEN,))
 TAG_LOGITS = TensorSpec("LOGITS", "TYPE_FP32", (TAGGER_SEQ_LEN, TAGGER_VOCAB))
 TAGS = TensorSpec("TAGS", "TYPE_INT64", (TAGGER_SEQ_LEN,))
 TAG_PROBS = TensorSpec("TAG_PROBS", "TYPE_FP32", (TAGGER_SEQ_LEN,))
+# tag_pipeline's documents: any length from 1 to its `max_tokens`, cut into the tagger's windows.
+DOCUMENT = TensorSpec(TOKENS.name, TOKENS.dtype, (-1,))
+DOCUMENT_TAGS = TensorSpec(TAGS.name, TAGS.dtype, (-1,))
+DOCUMENT_TAG_PROBS = TensorSpec(TAG_PROBS.name, TAG_PROBS.dtype, (-1,))
+MAX_TOKENS = 8192
+WINDOW_OVERLAP = 64
 
 # Instance counts, batching delays and preferred sizes of preprocess, classifier and embedder
 # are the winners of `make bench-tuning` (bench/results/REPORT.md, "Tuning"; measured on the
@@ -158,20 +165,29 @@ PIPELINE_DEF = PipelineDef(
 )
 TAG_PIPELINE_DEF = PipelineDef(
     name="tag_pipeline",
-    inputs=(TOKENS,),
-    outputs=(TAGS, TAG_PROBS),
+    inputs=(DOCUMENT,),
+    outputs=(DOCUMENT_TAGS, DOCUMENT_TAG_PROBS),
     # The tagger with its reduction in the graph by default; a model with the tagger's LOGITS
     # output also works (the orchestrator then reduces the 28.7 MB of logits per sequence itself,
     # measured slower). The load-time check decides which contract the configured model meets.
     stages=(StageDef("tagger", (TAGGER_TAGS, TAGGER)),),
     run="bls_models.pipelines:tag_pipeline",
-    # Token ids are checked per request, before its rows are stacked with others'.
+    # Token ids and lengths are checked per request, before its rows are stacked with others'.
     check="bls_models.pipelines:check_tokens",
+    parameters=(
+        Param("max_tokens", str(MAX_TOKENS), "the longest document accepted, in tokens; longer "
+              "ones are refused INVALID_ARG", minimum=1),
+        Param("window_overlap", str(WINDOW_OVERLAP),
+              f"tokens consecutive {TAGGER_SEQ_LEN}-token windows of a longer document share; "
+              "each token is tagged from the window where it has the most context on both sides",
+              minimum=0, maximum=TAGGER_SEQ_LEN // 2),
+    ),
     max_batch_size=4,
     # With a LOGITS tagger as the stage model, each response holding 28.7 MB per sequence sits in
     # this stub's shared memory until reduced: the thread count bounds that (8 x 4 x 28.7 MB).
     defaults={"max_inflight_requests": "256", "subrequest_threads": "8"},
-    description="BLS: tagger, reduced on the server to per-token argmax and its probability",
+    description="BLS: documents of any length cut into overlapping windows for the tagger, "
+                "reduced on the server to per-token argmax and its probability",
 )
 PIPELINE_DEFS: tuple[PipelineDef, ...] = (PIPELINE_DEF, TAG_PIPELINE_DEF)
 register(*PIPELINE_DEFS)

@@ -19,6 +19,7 @@ import threading
 import time
 import traceback
 from collections import deque
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -94,12 +95,14 @@ class Orchestrator:
             raise params.ConfigError("; ".join(problems))
         self.run = self.definition.run_function()
         self.check = self.definition.check_function()
-        self.setup = Setup(options=self.config.options, contracts=contracts)
+        # The most rows one sub-request to each stage may hold (0: the stage does not batch).
+        stage_rows = repository.stage_max_batch(repositories, self.config.stages)
+        self.setup = Setup(options=self.config.options, contracts=contracts,
+                           max_rows={stage: max(rows, 1) for stage, rows in stage_rows.items()})
         self.input_names = [t["name"] for t in config["input"]]
         self.output_dtypes = {t["name"]: _NUMPY[t["data_type"]] for t in config["output"]}
         self.first_stage = self.definition.stages[0].name
         # The most rows run as one group: this model's batch, and what every stage takes.
-        stage_rows = repository.stage_max_batch(repositories, self.config.stages)
         self.group_rows = min([max(1, int(config.get("max_batch_size", 0)))]
                               + [rows for rows in stage_rows.values() if rows > 0])
         # gpu_tensors: a stage's pass-through outputs stay on the GPU only if its model is
@@ -197,10 +200,11 @@ class Orchestrator:
             return job
         job.inputs = got.inputs
         job.rows = len(next(iter(got.inputs.values())))
-        job.outputs = [n for n in got.outputs if n in self.output_dtypes] or list(self.output_dtypes)
+        job.outputs = (list(dict.fromkeys(n for n in got.outputs if n in self.output_dtypes))
+                       or list(self.output_dtypes))
         if self.check is not None:
             try:
-                self.check(job.inputs)
+                self.check(job.inputs, self.setup)
             except PipelineError as error:
                 self.answers.answer(job, error=error)
             except Exception:  # noqa: BLE001 - a bug of the check: INTERNAL, logged
@@ -359,7 +363,8 @@ class Orchestrator:
             self._end(group)
             return
         try:
-            group.flow = flow.Flow(self.run(group.inputs, flow.SubRequest, self.setup))
+            group.flow = flow.Flow(self.run(group.inputs, flow.SubRequest,
+                                            self._setup(group)))
             with group.lock:
                 waiting = [] if group.closed else group.flow.start()
                 done = group.flow.done and not group.closed
@@ -375,6 +380,15 @@ class Orchestrator:
             self._finish(group)
         else:
             self._drive(group, waiting)
+
+    def _setup(self, group) -> Setup:
+        """The run function's setup for ``group``: which outputs its rows asked for, when some
+        asked for less than every output."""
+        every = len(self.output_dtypes)
+        if all(len(member.outputs) == every for member in group.members):
+            return self.setup
+        return replace(self.setup, asked=tuple((member.rows, frozenset(member.outputs))
+                                               for member in group.members))
 
     def _drive(self, group, waiting: list) -> None:
         """Send what the flow waits for: one sub-request on this thread, the others on more
@@ -557,7 +571,7 @@ class Orchestrator:
         solo = groups.Group([member], self.first_stage, solo=True)
         solo.detached = detached
         try:
-            run = flow.Flow(self.run(solo.inputs, flow.SubRequest, self.setup))
+            run = flow.Flow(self.run(solo.inputs, flow.SubRequest, self._setup(solo)))
             waiting = run.start()
             while waiting and not run.done:
                 sub = waiting.pop(0)

@@ -23,7 +23,7 @@ from bls_models import spec as S
 from tests.live.support import image
 
 IMAGE_DIMS = list(S.IMAGE.dims)      # [224, 224, 3]
-TOKEN_DIMS = list(S.TOKENS.dims)     # [512]
+TOKEN_DIMS = [S.TAGGER_SEQ_LEN]      # a good document: tag_pipeline takes 1 to max_tokens
 
 
 @dataclass(frozen=True)
@@ -72,9 +72,6 @@ def cases(model: Model) -> list[Case]:
         Case("nan-as-float", [(model.input, "FP32", shape, raw(nan))], expect=("data-type",)),
         Case("wrong-rank", [(model.input, model.datatype, shape[:-1], raw(good[..., 0]))],
              expect=("shape",)),
-        Case("wrong-dims", [(model.input, model.datatype, [1, *model.dims[:-1], model.dims[-1] + 1],
-                             raw(np.zeros((1, *model.dims[:-1], model.dims[-1] + 1), good.dtype)))],
-             expect=("shape",)),
         Case("batch-above-max", [(model.input, model.datatype, list(too_many.shape),
                                   raw(too_many))], expect=("batch",)),
         Case("empty-batch", [(model.input, model.datatype, [0, *model.dims], b"")]),
@@ -86,7 +83,18 @@ def cases(model: Model) -> list[Case]:
              outputs=["NOT_AN_OUTPUT"], expect=("not_an_output",)),
         Case("enormous-declared-shape", [(model.input, model.datatype, huge, raw(good)[:64])]),
         Case("truncated-payload", [(model.input, model.datatype, shape, raw(good)[:-7])]),
-    ] + ([Case("token-out-of-range",
+    ] + ([Case("wrong-dims", [(model.input, model.datatype,
+                               [1, *model.dims[:-1], model.dims[-1] + 1],
+                               raw(np.zeros((1, *model.dims[:-1], model.dims[-1] + 1),
+                                            good.dtype)))], expect=("shape",))]
+         if model.name != "tag_pipeline" else [
+        Case("empty-document", [(model.input, model.datatype, [1, 0], b"")],
+             expect=("tokens", "empty")),
+        Case("document-over-max-tokens",
+             [(model.input, model.datatype, [1, S.MAX_TOKENS + 1],
+               raw(np.zeros((1, S.MAX_TOKENS + 1), np.int64)))],
+             expect=("tokens", str(S.MAX_TOKENS), "max_tokens"))]
+    ) + ([Case("token-out-of-range",
                [(model.input, model.datatype, shape,
                  raw(np.where(np.arange(model.dims[0]) == 5, S.TAGGER_VOCAB, good)))],
                expect=("tokens", str(S.TAGGER_VOCAB)))]

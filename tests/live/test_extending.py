@@ -46,7 +46,7 @@ def user_server(repository, tmp_path_factory):
     work = tmp_path_factory.mktemp("extending")
     repo = work / "model_repository"
     repo.mkdir()
-    for stage_model in (S.PREPROCESS, S.EMBEDDER):
+    for stage_model in (S.PREPROCESS, S.EMBEDDER, S.CLASSIFIER):
         (repo / stage_model.name).symlink_to(repository / stage_model.name)
     model_py = repo / NAME / "1" / "model.py"
     model_py.parent.mkdir(parents=True)
@@ -59,29 +59,53 @@ def user_server(repository, tmp_path_factory):
         yield server
 
 
-def embed_in_process(repository, images: np.ndarray) -> tuple[np.ndarray]:
+def in_process(repository, images: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(embedding, classifier logits) of ``images``, with ONNX Runtime in-process."""
     sessions = [ort.InferenceSession(str(export.onnx_path(repository, m)),
                                      providers=["CPUExecutionProvider"])
-                for m in (S.PREPROCESS, S.EMBEDDER)]
+                for m in (S.PREPROCESS, S.EMBEDDER, S.CLASSIFIER)]
     (pixels,) = sessions[0].run(None, {"IMAGE": images})
-    return tuple(sessions[1].run(None, {"PIXELS": pixels}))
+    return sessions[1].run(None, {"PIXELS": pixels})[0], sessions[2].run(None, {"PIXELS": pixels})[0]
 
 
+def rows_computed(client) -> dict[str, int]:
+    stats = client.get_inference_statistics(as_json=True)["model_stats"]
+    return {s["name"]: int(s.get("inference_count", 0)) for s in stats
+            if s["name"] in ("embedder", "classifier")}
+
+
+@pytest.mark.parametrize("asked", [None, ["EMBEDDING", "NORM"], ["TOP_CLASS"]],
+                         ids=["all", "embedding", "top-class"])
 @pytest.mark.parametrize("protocol", ["http", "grpc"])
-def test_the_pages_pipeline_serves_what_onnxruntime_computes(user_server, repository, protocol):
+def test_the_pages_pipeline_serves_what_onnxruntime_computes(user_server, repository, protocol,
+                                                             asked):
+    """Every output asked for equals ONNX Runtime in-process; a stage whose outputs no one
+    asked for computes nothing (Triton's statistics)."""
     module = httpclient if protocol == "http" else grpcclient
     url = user_server.http_url if protocol == "http" else user_server.grpc_url
     client = module.InferenceServerClient(url)
+    counter = grpcclient.InferenceServerClient(user_server.grpc_url)
     data = image(seed=3, batch=3)
     tensor = module.InferInput("IMAGE", list(data.shape), "UINT8")
     tensor.set_data_from_numpy(data)
-    result = client.infer(NAME, [tensor])
-    (expected,) = embed_in_process(repository, data)
-    (spread,) = batch_spread(lambda d: embed_in_process(repository, d), data, 16)
-    assert_served(result.as_numpy("EMBEDDING"), expected, spread, "EMBEDDING")
-    norm = result.as_numpy("NORM")
-    assert norm.shape == (3, 1) and norm.dtype == np.float32
-    np.testing.assert_allclose(norm[:, 0], np.linalg.norm(expected, axis=1), rtol=1e-5)
+    before = rows_computed(counter)
+    result = client.infer(NAME, [tensor], outputs=None if asked is None else
+                          [module.InferRequestedOutput(name) for name in asked])
+    computed = rows_computed(counter)
+    expected, logits = in_process(repository, data)
+    if asked is None or "EMBEDDING" in asked:
+        (spread, _) = batch_spread(lambda d: in_process(repository, d), data, 16)
+        assert_served(result.as_numpy("EMBEDDING"), expected, spread, "EMBEDDING")
+        norm = result.as_numpy("NORM")
+        assert norm.shape == (3, 1) and norm.dtype == np.float32
+        np.testing.assert_allclose(norm[:, 0], np.linalg.norm(expected, axis=1), rtol=1e-5)
+    if asked is None or "TOP_CLASS" in asked:
+        top = result.as_numpy("TOP_CLASS")
+        assert top.shape == (3, 1) and top.dtype == np.int64
+        np.testing.assert_array_equal(top[:, 0], logits.argmax(axis=1))
+    assert computed["embedder"] - before["embedder"] == (0 if asked == ["TOP_CLASS"] else 3)
+    assert computed["classifier"] - before["classifier"] == (
+        3 if asked is None or "TOP_CLASS" in asked else 0)
 
 
 def test_the_pages_pipeline_gets_the_runtimes_errors_and_metrics(user_server):
@@ -95,7 +119,7 @@ def test_the_pages_pipeline_gets_the_runtimes_errors_and_metrics(user_server):
     assert raised.value.status() == STATUS["grpc"]["UNAVAILABLE"]
     series = [line for line in metrics_text(user_server).splitlines()
               if line.startswith("bls_deadline_exceeded_total{") and f'model="{NAME}"' in line]
-    for stage in ("preprocess", "embedder"):  # a series per declared stage
+    for stage in ("preprocess", "embedder", "classifier"):  # a series per declared stage
         assert any(f'stage="{stage}"' in line for line in series), series
     before = settled(user_server, "bls_requests_total", model=NAME, code="SUCCESS")
     client.infer(NAME, [late])

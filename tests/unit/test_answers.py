@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import time
 
+import numpy as np
 import pytest
 
 from bls_models import params
@@ -36,11 +37,12 @@ def test_answers_ready_within_the_hold_are_returned_from_execute(fake, made, lon
 
 
 def test_a_slow_group_goes_through_its_senders_and_does_not_hold_execute(fake, made):
-    """Two groups in one batch (they ask for different outputs): the fast one is returned, the
-    slow one is sent once execute stops waiting."""
+    """Two groups in one batch (the slow request's 16 rows fill a group of their own): the fast
+    one is returned, the slow one is sent once execute stops waiting."""
     made.append(orch := orchestrator(fake, return_within_ms="50"))
     fast = [Request(image_of(v), request_id=f"r{v}") for v in (20, 21)]
-    slow = Request(image_of(22), request_id="slow;classifier=300", outputs=["CLASS_IDS"])
+    slow = Request({"IMAGE": np.repeat(image_of(22)["IMAGE"], orch.group_rows, axis=0)},
+                   request_id="slow;classifier=300", outputs=["CLASS_IDS"])
     started = time.monotonic()
     fake.execute(orch, [fast[0], slow, fast[1]])
     held = time.monotonic() - started

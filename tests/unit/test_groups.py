@@ -11,7 +11,7 @@ import numpy as np
 
 from bls_models import spec as S
 from tests.unit.fake_pb_utils import FakePbUtils, Request
-from tests.unit.row_models import DirectedRowModels, code_of, exact, image_of
+from tests.unit.row_models import DirectedRowModels, code_of, exact, expected, image_of
 from tests.unit.support import orchestrator, wait_answered
 
 SLACK = 0.25  # tests/live/support.SLACK
@@ -60,17 +60,58 @@ def test_requests_with_different_deadlines_run_together_each_on_its_own(made):
     assert exact(patient[0].answers[0], 21) and exact(patient[1].answers[0], 22)
 
 
-def test_requests_asking_for_different_outputs_run_apart(made):
-    pb = FakePbUtils(DirectedRowModels().models())
+def seen_rows(models: dict, seen: dict) -> dict:
+    """``models``, recording the value of each row each stage model is sent."""
+    def recording(stage, model):
+        def recorded(inputs, request):
+            value = next(iter(inputs.values()))
+            seen.setdefault(stage, []).append(sorted(int(v) for v in
+                                                     value.reshape(len(value), -1)[:, 0]))
+            return model(inputs, request)
+        return recorded
+    return {stage: recording(stage, model) for stage, model in models.items()}
+
+
+def test_requests_asking_for_different_outputs_share_a_group_each_stage_only_its_rows(made):
+    """Like the ensemble, a stage gets only the rows that asked for what it computes: the
+    classifier those asking for CLASS_IDS or CLASS_PROBS, the embedder those asking for
+    EMBEDDING; one group all the same, and each answered with exactly what it asked for."""
+    seen: dict = {}
+    pb = FakePbUtils(seen_rows(DirectedRowModels().models(), seen))
     made.append(orch := orchestrator(pb))
     runs = []
     orch.run = counting(orch.run, runs)
-    requests = [Request(image_of(20), outputs=["EMBEDDING"]), Request(image_of(21)),
-                Request(image_of(22), outputs=["EMBEDDING"])]
+    asked = {20: ["EMBEDDING"], 21: [], 22: ["CLASS_IDS"], 23: ["CLASS_PROBS", "CLASS_IDS"]}
+    requests = [Request(image_of(v), outputs=names) for v, names in asked.items()]
     pb.execute(orch, requests)
-    assert sorted(runs) == [1, 2]
-    assert [t.name() for t in requests[0].answers[0].output_tensors] == ["EMBEDDING"]
-    assert len(requests[1].answers[0].output_tensors) == 3
+    assert runs == [4]
+    assert seen == {"preprocess": [[20, 21, 22, 23]], "classifier": [[21, 22, 23]],
+                    "embedder": [[20, 21]]}
+    for request, (value, names) in zip(requests, asked.items()):
+        (response,) = request.answers
+        got = {t.name(): t.as_numpy() for t in response.output_tensors}
+        assert sorted(got) == sorted(names or ["CLASS_IDS", "CLASS_PROBS", "EMBEDDING"])
+        for name, array in expected(value).items():
+            if name in got:
+                assert np.array_equal(got[name], array), (value, name)
+
+
+def test_a_stage_no_row_asked_for_gets_no_subrequest(made):
+    seen: dict = {}
+    pb = FakePbUtils(seen_rows(DirectedRowModels().models(), seen))
+    made.append(orch := orchestrator(pb))
+    asked = {20: ["CLASS_IDS", "CLASS_PROBS"], 21: ["CLASS_IDS", "CLASS_PROBS"],
+             22: ["EMBEDDING"], 23: ["EMBEDDING"]}
+    classes = [Request(image_of(v), outputs=asked[v]) for v in (20, 21)]
+    pb.execute(orch, classes)
+    embedding = [Request(image_of(v), outputs=asked[v]) for v in (22, 23)]
+    pb.execute(orch, embedding)
+    assert seen == {"preprocess": [[20, 21], [22, 23]], "classifier": [[20, 21]],
+                    "embedder": [[22, 23]]}
+    for request, value in zip(classes + embedding, (20, 21, 22, 23)):
+        got = {t.name(): t.as_numpy() for t in request.answers[0].output_tensors}
+        assert sorted(got) == asked[value]
+        assert all(np.array_equal(array, expected(value)[name]) for name, array in got.items())
 
 
 def test_a_group_bigger_than_the_stages_take_is_split(made):

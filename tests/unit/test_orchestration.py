@@ -116,6 +116,99 @@ def test_tag_pipeline_asks_the_tagger_for_what_it_reduces_or_reduces_logits_itse
     assert out["TAGS"].shape == (2, S.TAGGER_SEQ_LEN) and out["TAGS"].dtype == np.int64
 
 
+class LocalTagger:
+    """A stand-in tagger whose answer for a token depends on it and its neighbours (a receptive
+    field of 3, like the committed tagger's convolution), recording each sub-request's rows."""
+
+    def __init__(self):
+        self.rows: list[int] = []
+
+    @staticmethod
+    def tag(tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        padded = np.pad(tokens, ((0, 0), (1, 1)))
+        mixed = padded[:, :-2] * 3 + padded[:, 1:-1] * 5 + padded[:, 2:] * 7
+        return mixed % 101, (mixed % 13 / 13).astype(np.float32)
+
+    def __call__(self, sub):
+        tokens = sub.inputs["TOKENS"]
+        assert tokens.shape[1:] == (S.TAGGER_SEQ_LEN,)
+        self.rows.append(len(tokens))
+        tags, probs = self.tag(tokens)
+        return {"TAGS": tags, "TAG_PROBS": probs}
+
+
+def windowed_reference(tokens: np.ndarray, overlap: int) -> tuple[np.ndarray, np.ndarray]:
+    """What each token's tag must be: from the window whose centre is nearest (the earlier one
+    on a tie), computed token by token."""
+    length = tokens.shape[1]
+    window = S.TAGGER_SEQ_LEN
+    if length <= window:
+        padded = np.zeros((len(tokens), window), np.int64)
+        padded[:, :length] = tokens
+        tags, probs = LocalTagger.tag(padded)
+        return tags[:, :length], probs[:, :length]
+    starts, _ = pipelines.windows(length, window, overlap)
+    tags = np.empty(tokens.shape, np.int64)
+    probs = np.empty(tokens.shape, np.float32)
+    for token in range(length):
+        best = max(starts, key=lambda s: (min(token - s, s + window - 1 - token)
+                                          if s <= token < s + window else -1, -s))
+        t, p = LocalTagger.tag(tokens[:, best:best + window])
+        tags[:, token], probs[:, token] = t[:, token - best], p[:, token - best]
+    return tags, probs
+
+
+@pytest.mark.parametrize("length", [1, 511, 512, 513, 1000, 2048])
+@pytest.mark.parametrize("overlap", [0, 64, 256])
+def test_tag_pipeline_windows_a_document_and_stitches_each_token_from_its_best_window(
+        length, overlap):
+    tokens = np.random.default_rng(length).integers(0, S.TAGGER_VOCAB, (3, length))
+    tagger = LocalTagger()
+    setup = Setup(options={"window_overlap": overlap}, contracts={"tagger": S.TAGGER_TAGS},
+                  max_rows={"tagger": 4})
+    out = flow.run(pipelines.tag_pipeline({"TOKENS": tokens}, flow.SubRequest, setup), tagger)
+    tags, probs = windowed_reference(tokens, overlap)
+    np.testing.assert_array_equal(out["TAGS"], tags)
+    np.testing.assert_array_equal(out["TAG_PROBS"], probs)
+    windows = len(pipelines.windows(length, S.TAGGER_SEQ_LEN, overlap)[0])
+    # Every window of the three documents, in sub-requests of at most the tagger's 4 rows.
+    assert sum(tagger.rows) == 3 * windows and max(tagger.rows) <= 4
+    assert len(tagger.rows) == -(-3 * windows // 4)
+
+
+def test_a_document_of_one_window_is_sent_as_it_is():
+    tokens = np.random.default_rng(0).integers(0, S.TAGGER_VOCAB, (2, S.TAGGER_SEQ_LEN))
+    sent = []
+    def tagger(sub):
+        sent.append(sub.inputs["TOKENS"])
+        return LocalTagger()(sub)
+    out = flow.run(pipelines.tag_pipeline({"TOKENS": tokens}, flow.SubRequest, Setup()), tagger)
+    assert len(sent) == 1 and np.shares_memory(sent[0], tokens)
+    np.testing.assert_array_equal(sent[0], tokens)
+    np.testing.assert_array_equal(out["TAGS"], LocalTagger.tag(tokens)[0])
+
+
+@pytest.mark.parametrize("overlap", [0, 64, 256])
+def test_windows_share_the_overlap_and_cover_the_document(overlap):
+    for length in range(513, 4000, 37):
+        starts, ends = pipelines.windows(length, S.TAGGER_SEQ_LEN, overlap)
+        assert starts[0] == 0 and starts[-1] + S.TAGGER_SEQ_LEN == length
+        assert all(S.TAGGER_SEQ_LEN - (b - a) >= overlap for a, b in zip(starts, starts[1:]))
+        assert ends[-1] == length and ends == sorted(ends)
+        # Fewest windows: one fewer could not keep the overlap.
+        assert len(starts) == 1 + -(-(length - S.TAGGER_SEQ_LEN) // (S.TAGGER_SEQ_LEN - overlap))
+
+
+@pytest.mark.parametrize("tokens, words", [(np.zeros((1, 0), np.int64), "empty"),
+                                           (np.zeros((1, 8193), np.int64), "8192")])
+def test_empty_and_too_long_documents_fail_tag_pipelines_check(tokens, words):
+    setup = Setup(options=S.TAG_PIPELINE_DEF.parse({}).options)
+    with pytest.raises(InvalidInput) as raised:
+        S.TAG_PIPELINE_DEF.check_function()({"TOKENS": tokens}, setup)
+    assert raised.value.code is Code.INVALID_ARG and words in raised.value.message
+    S.TAG_PIPELINE_DEF.check_function()({"TOKENS": np.zeros((1, 8192), np.int64)}, setup)
+
+
 def test_reduce_tags_gives_argmax_and_its_probability():
     logits = np.random.default_rng(1).standard_normal((2, 4, 50)).astype(np.float32) * 5
     tags, probs = pipelines.reduce_tags(logits)
