@@ -51,6 +51,25 @@ class Param:
         return number
 
 
+@dataclass(frozen=True)
+class RealParam(Param):
+    """A parameter that is a finite real number (at least ``minimum`` when set), e.g. a
+    probability threshold."""
+
+    def value(self, raw: str | None, problems: list[str]):
+        text = self.default if raw in (None, "") else raw
+        try:
+            number = float(text)
+        except ValueError:
+            number = float("nan")
+        if number != number or number in (float("inf"), float("-inf")):
+            problems.append(f"parameter '{self.name}' must be a number, got '{text}'")
+            return float(self.default)
+        if self.minimum is not None and number < self.minimum:
+            problems.append(f"parameter '{self.name}' must be >= {self.minimum}, got {text}")
+        return number
+
+
 DEFAULT_DEADLINE = Param("default_deadline_ms", "10000",
                          "end-to-end budget when the client sets no timeout", minimum=1)
 MAX_INFLIGHT = Param("max_inflight_requests", "512",

@@ -17,6 +17,7 @@ from dataclasses import replace
 from bls_models.definition import (BatchingSpec, EnsembleStep, ModelSpec, PipelineDef,  # noqa: F401
                                    StageDef, TensorSpec, register)
 from bls_models.params import Param
+from bls_models.params import RealParam
 
 # ImageNet normalisation applied by `preprocess`.
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
@@ -140,8 +141,31 @@ POSTPROCESS = ModelSpec(
     description="softmax + top-5 over class logits (the ensemble's last step)",
 )
 
+# The digits cascade (modelgen/digits.py trains both on scikit-learn's bundled 8x8 digits): raw
+# pixels 0..16 in, softmax probabilities out, the scaling and the softmax in each graph.
+DIGIT_PIXELS = TensorSpec("DIGIT_PIXELS", "TYPE_FP32", (64,))
+DIGIT_PROBS = TensorSpec("DIGIT_PROBS", "TYPE_FP32", (10,))
+# Both are cheap next to a sub-request's own cost: a batch of 32 rows and a 100 us delay let
+# the batcher merge concurrent requests without holding a lone one back.
+_DIGITS_BATCHES = BatchingSpec(preferred_batch_sizes=(16, 32), max_queue_delay_us=100)
+DIGITS_SMALL = ModelSpec(
+    name="digits_small",
+    backend="onnxruntime",
+    parameters=ORT_CPU_PARAMETERS,
+    inputs=(DIGIT_PIXELS,),
+    outputs=(DIGIT_PROBS,),
+    max_batch_size=32,
+    batching=_DIGITS_BATCHES,
+    description="8x8 digit -> class probabilities through one linear layer (the cheap opinion)",
+)
+DIGITS_LARGE = replace(
+    DIGITS_SMALL,
+    name="digits_large",
+    description="8x8 digit -> class probabilities through a 256-256 MLP (the costly, better one)",
+)
+
 ONNX_MODELS: tuple[ModelSpec, ...] = (PREPROCESS, CLASSIFIER, EMBEDDER, TAGGER, TAGGER_TAGS,
-                                       POSTPROCESS)
+                                       POSTPROCESS, DIGITS_SMALL, DIGITS_LARGE)
 
 def reduces_tags(contract: ModelSpec) -> bool:
     """Whether a tagger-stage model answers with TAGS and TAG_PROBS itself."""
@@ -189,7 +213,29 @@ TAG_PIPELINE_DEF = PipelineDef(
     description="BLS: documents of any length cut into overlapping windows for the tagger, "
                 "reduced on the server to per-token argmax and its probability",
 )
-PIPELINE_DEFS: tuple[PipelineDef, ...] = (PIPELINE_DEF, TAG_PIPELINE_DEF)
+DIGIT = TensorSpec("DIGIT", "TYPE_INT64", (1,))
+DIGIT_PROB = TensorSpec("DIGIT_PROB", "TYPE_FP32", (1,))
+ESCALATED = TensorSpec("ESCALATED", "TYPE_BOOL", (1,))
+# Chosen on the held-out split (docs/cascade.md): the cascade's accuracy within half a point of
+# digits_large alone while escalating at most a fifth of the rows.
+CASCADE_THRESHOLD = RealParam(
+    "threshold", "0.8",
+    "a row whose top probability from `small` is at least this is answered "
+    "from it, the others from `large` (0: never escalate; above 1: always)", minimum=0)
+DIGITS_CASCADE_DEF = PipelineDef(
+    name="digits_cascade",
+    inputs=(DIGIT_PIXELS,),
+    outputs=(DIGIT, DIGIT_PROB, ESCALATED),
+    stages=(StageDef("small", (DIGITS_SMALL,)), StageDef("large", (DIGITS_LARGE,))),
+    run="bls_models.cascade:digits_cascade",
+    parameters=(CASCADE_THRESHOLD,),
+    # As many rows as its stage models take, so the unsure rows of a run go to `large` as one
+    # sub-request.
+    max_batch_size=DIGITS_LARGE.max_batch_size,
+    defaults={"subrequest_threads": "16"},
+    description="BLS: digits_small for every row, digits_large only for the rows it is unsure of",
+)
+PIPELINE_DEFS: tuple[PipelineDef, ...] = (PIPELINE_DEF, TAG_PIPELINE_DEF, DIGITS_CASCADE_DEF)
 register(*PIPELINE_DEFS)
 
 PIPELINE = PIPELINE_DEF.model_spec()
@@ -215,8 +261,32 @@ PIPELINE_ENSEMBLE = ModelSpec(
     description="Ensemble computing what `pipeline` computes (the benchmark's baseline)",
 )
 
-BLS_MODELS: tuple[ModelSpec, ...] = (PIPELINE, TAG_PIPELINE)
-ALL_MODELS: tuple[ModelSpec, ...] = (*ONNX_MODELS, *BLS_MODELS, PIPELINE_ENSEMBLE)
+DIGITS_CASCADE = DIGITS_CASCADE_DEF.model_spec()
+SMALL_PROBS = TensorSpec("SMALL_PROBS", DIGIT_PROBS.dtype, DIGIT_PROBS.dims)
+LARGE_PROBS = TensorSpec("LARGE_PROBS", DIGIT_PROBS.dtype, DIGIT_PROBS.dims)
+# The cascade's baseline: an ensemble cannot branch on data, so it runs both models on every row
+# and leaves the choice to the client.
+DIGITS_ENSEMBLE = ModelSpec(
+    name="digits_ensemble",
+    backend="",
+    platform="ensemble",
+    inputs=(DIGIT_PIXELS,),
+    outputs=(SMALL_PROBS, LARGE_PROBS),
+    max_batch_size=DIGITS_CASCADE_DEF.max_batch_size,
+    batching=None,
+    instance_count=0,
+    ensemble_steps=(
+        EnsembleStep(DIGITS_SMALL.name, {DIGIT_PIXELS.name: DIGIT_PIXELS.name},
+                     {DIGIT_PROBS.name: SMALL_PROBS.name}),
+        EnsembleStep(DIGITS_LARGE.name, {DIGIT_PIXELS.name: DIGIT_PIXELS.name},
+                     {DIGIT_PROBS.name: LARGE_PROBS.name}),
+    ),
+    description="Ensemble running digits_small and digits_large on every row (the cascade's "
+                "baseline)",
+)
+
+BLS_MODELS: tuple[ModelSpec, ...] = (PIPELINE, TAG_PIPELINE, DIGITS_CASCADE)
+ALL_MODELS: tuple[ModelSpec, ...] = (*ONNX_MODELS, *BLS_MODELS, PIPELINE_ENSEMBLE, DIGITS_ENSEMBLE)
 
 
 def model(name: str) -> ModelSpec:

@@ -35,7 +35,8 @@ from bls_models import spec as S
 OPSET = 17
 STAMP = ".export-stamp.json"
 PROJECT_REPOSITORY = Path(__file__).resolve().parents[1] / "model_repository"
-_SOURCES = [Path(__file__).with_name("nets.py"), Path(__file__), Path(S.__file__)]
+_SOURCES = [Path(__file__).with_name("nets.py"), Path(__file__).with_name("digits.py"),
+            Path(__file__), Path(S.__file__)]
 
 
 def fingerprint(size: str) -> str:

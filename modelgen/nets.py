@@ -239,6 +239,10 @@ def build(name: str, size: str = "small") -> nn.Module:
     """The network behind ONNX model ``name``, with deterministic weights, in eval mode."""
     if size not in SIZES:
         raise ValueError(f"unknown model size '{size}' (choose from {', '.join(SIZES)})")
+    from modelgen import digits
+
+    if name in digits.MODELS:  # trained on the bundled digits: the same at every size
+        return digits.build(name)
     torch.manual_seed(SEEDS[name])
     fast = size == "fast"
     size = "small" if fast else size  # fast: only the classifier and the embedder differ
@@ -320,6 +324,10 @@ def example_input(model: S.ModelSpec, batch: int = 2) -> torch.Tensor:
         return synthetic_images(batch, seed=1234)
     if tensor.name == "PIXELS":
         return Preprocess()(synthetic_images(batch, seed=1234))
+    if tensor.name == S.DIGIT_PIXELS.name:
+        from modelgen import digits
+
+        return digits.example_input(batch)
     if tensor.name == "TOKENS":
         return torch.randint(0, S.TAGGER_VOCAB, (batch, *tensor.dims), dtype=torch.int64,
                              generator=generator)

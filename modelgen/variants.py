@@ -136,6 +136,12 @@ def real_model_variants(real_repository: Path) -> tuple[S.ModelSpec, ...]:
                 stage_model_repositories=str(real_repository)),
         variant(S.PIPELINE, "pipeline_poison_embedder", embedder_model=FAULT_BATCH_EMBEDDER.name,
                 stage_model_repositories=str(real_repository)),
+        # The cascade that never escalates and the one that always does
+        # (tests/live/test_cascade.py).
+        variant(S.DIGITS_CASCADE, "digits_cascade_never", threshold="0",
+                stage_model_repositories=str(real_repository)),
+        variant(S.DIGITS_CASCADE, "digits_cascade_always", threshold="1.5",
+                stage_model_repositories=str(real_repository)),
     )
 
 def build(target: Path, real_repository: Path, variants=None) -> Path:

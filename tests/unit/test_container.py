@@ -346,9 +346,9 @@ def test_the_committed_portable_configs_have_no_warmup(repository):
 
 def test_warmup_runs_per_gpu_are_the_documented_count():
     runs = sum(profiles.GPU_INSTANCES[m.name] * m.max_batch_size for m in S.ONNX_MODELS)
-    assert runs == 104
+    assert runs == 168
     docs = " ".join((ROOT / "docs" / "production.md").read_text().split())
-    assert "104 warm-up executions per GPU" in docs
+    assert "168 warm-up executions per GPU" in docs
 
 
 def test_trt_optimisation_shapes_come_from_the_spec():

@@ -1,0 +1,141 @@
+"""``digits_cascade`` without Triton: its run function driven by the runtime's driver
+(``bls_models.flow``) over stand-in sub-models, its threshold parameter, and the digits models'
+deterministic export."""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+import pytest
+
+from bls_models import flow
+from bls_models import spec as S
+from bls_models.cascade import digits_cascade
+from bls_models.definition import Setup
+from bls_models.params import ConfigError
+from bls_models.pipelines import contract_problems
+
+
+class StandIns:
+    """``small`` and ``large`` as a ``flow.run`` sender, recording each sub-request's rows.
+
+    A row's pixel 0 is the top probability ``small`` gives it and pixel 1 the digit it picks;
+    ``large`` picks the next digit with probability 0.97, so every answer says who decided it.
+    """
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, np.ndarray]] = []
+
+    def __call__(self, sub):
+        pixels = sub.inputs[S.DIGIT_PIXELS.name]
+        self.calls.append((sub.stage, pixels.copy()))
+        assert list(sub.outputs) == [S.DIGIT_PROBS.name]
+        top, digit = pixels[:, 0], pixels[:, 1].astype(int)
+        if sub.stage == "large":
+            top, digit = np.full(len(pixels), 0.97, np.float32), (digit + 1) % 10
+        probs = np.repeat(((1 - top) / 9)[:, None], 10, axis=1).astype(np.float32)
+        probs[np.arange(len(pixels)), digit] = top
+        return {S.DIGIT_PROBS.name: probs}
+
+    def rows(self, stage: str) -> list[np.ndarray]:
+        return [pixels for called, pixels in self.calls if called == stage]
+
+
+def digits_with(top_probs) -> np.ndarray:
+    """One row per probability: ``small`` is that sure of digit ``row % 10``."""
+    pixels = np.zeros((len(top_probs), 64), np.float32)
+    pixels[:, 0] = top_probs
+    pixels[:, 1] = np.arange(len(top_probs)) % 10
+    return pixels
+
+
+def run(pixels: np.ndarray, threshold: float, stand_ins: StandIns) -> dict[str, np.ndarray]:
+    setup = Setup(options={"threshold": threshold})
+    return flow.run(digits_cascade({S.DIGIT_PIXELS.name: pixels}, flow.SubRequest, setup),
+                    stand_ins)
+
+
+def test_only_the_unsure_rows_go_to_large_in_one_sub_request():
+    pixels = digits_with([0.95, 0.5, 0.8, 0.3, 0.99, 0.79])
+    stand_ins = StandIns()
+    out = run(pixels, 0.8, stand_ins)
+    assert [stage for stage, _ in stand_ins.calls] == ["small", "large"]
+    np.testing.assert_array_equal(stand_ins.rows("small")[0], pixels)
+    unsure = [1, 3, 5]  # 0.8 itself is sure enough: at least the threshold
+    np.testing.assert_array_equal(stand_ins.rows("large")[0], pixels[unsure])
+    escalated = np.isin(np.arange(6), unsure)
+    np.testing.assert_array_equal(out[S.ESCALATED.name][:, 0], escalated)
+    np.testing.assert_array_equal(out[S.DIGIT.name][:, 0],
+                                  np.where(escalated, np.arange(6) + 1, np.arange(6)))
+    np.testing.assert_allclose(out[S.DIGIT_PROB.name][:, 0],
+                               np.where(escalated, 0.97, pixels[:, 0]), rtol=1e-6)
+    for tensor in S.DIGITS_CASCADE_DEF.outputs:
+        value = out[tensor.name]
+        assert value.shape == (6, *tensor.dims)
+        assert value.dtype == np.dtype(S.DTYPES[tensor.dtype]), tensor.name
+
+
+def test_no_sub_request_to_large_when_every_row_is_sure():
+    stand_ins = StandIns()
+    out = run(digits_with([0.9, 0.99, 0.85]), 0.8, stand_ins)
+    assert [stage for stage, _ in stand_ins.calls] == ["small"]
+    assert not out[S.ESCALATED.name].any()
+    np.testing.assert_array_equal(out[S.DIGIT.name][:, 0], [0, 1, 2])
+
+
+def test_threshold_0_never_escalates():
+    stand_ins = StandIns()
+    out = run(digits_with([0.1, 0.0, 0.5, 1.0]), 0.0, stand_ins)
+    assert [stage for stage, _ in stand_ins.calls] == ["small"]
+    assert not out[S.ESCALATED.name].any()
+
+
+def test_a_threshold_above_1_always_escalates_every_row_at_once():
+    pixels = digits_with([1.0, 0.99, 0.5])
+    stand_ins = StandIns()
+    out = run(pixels, 1.5, stand_ins)
+    assert [stage for stage, _ in stand_ins.calls] == ["small", "large"]
+    np.testing.assert_array_equal(stand_ins.rows("large")[0], pixels)
+    assert out[S.ESCALATED.name].all()
+    np.testing.assert_array_equal(out[S.DIGIT.name][:, 0], [1, 2, 3])
+
+
+def test_digits_cascade_keeps_to_its_contracts():
+    assert contract_problems(S.DIGITS_CASCADE_DEF) == []
+    assert contract_problems(S.DIGITS_CASCADE_DEF, batch=5) == []
+
+
+def test_the_threshold_is_a_checked_number():
+    definition = S.DIGITS_CASCADE_DEF
+    assert definition.parse({}).options["threshold"] == float(S.CASCADE_THRESHOLD.default)
+    assert definition.parse({"threshold": "1.5"}).options["threshold"] == 1.5
+    for bad in ("x", "-0.1", "nan", "inf"):
+        with pytest.raises(ConfigError, match="threshold"):
+            definition.parse({"threshold": bad})
+
+
+def test_the_split_is_fixed_and_stratified():
+    from modelgen import digits
+
+    x_train, x_test, y_train, y_test = digits.split()
+    again = digits.split()
+    for first, second in zip((x_train, x_test, y_train, y_test), again):
+        np.testing.assert_array_equal(first, second)
+    assert x_train.shape == (1347, 64) and x_test.shape == (450, 64)
+    assert x_test.dtype == np.float32 and y_test.dtype == np.int64
+    assert 0 <= x_test.min() and x_test.max() <= 16
+    per_digit = np.bincount(np.concatenate([y_train, y_test]))
+    assert np.all(np.abs(np.bincount(y_test) - per_digit / 4) <= 1)  # a quarter of each digit
+
+
+def test_the_digits_models_export_byte_identical(tmp_path):
+    from modelgen import export
+
+    digests = {}
+    for attempt in ("first", "second"):
+        for model in (S.DIGITS_SMALL, S.DIGITS_LARGE):
+            path = export.onnx_path(tmp_path / attempt, model)
+            export.export_model(model, path, size="small")
+            digests.setdefault(model.name, set()).add(hashlib.sha256(path.read_bytes()).hexdigest())
+    assert all(len(found) == 1 for found in digests.values()), digests
