@@ -53,7 +53,7 @@ STAMP  := $(VENV)/.installed
 
 .DEFAULT_GOAL := help
 .PHONY: help venv backend backend-gpu gpu-host models configs serve test test-unit bench bench-pb-calls bench-recovery soak clean docker-build docker-run test-container gpu-check
-BENCH_EXPERIMENTS := ort_options orchestration overhead coalescing fanout designs large_output clients tuning overload
+BENCH_EXPERIMENTS := ort_options orchestration overhead coalescing fanout designs large_output clients tuning overload control_flow
 
 help: ## Show this help
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-15s %s\n", $$1, $$2}'

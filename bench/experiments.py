@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench import anchors, clients, designs, overhead, perf, profile
+from bench import anchors, clients, control_flow, designs, overhead, perf, profile
 from bench.perf import Point
 from bls_models import pipelines
 from bls_models import spec as S
@@ -93,7 +93,8 @@ def variant_specs(repository: Path) -> list[tuple[S.ModelSpec, str]]:
                     "max_queued_requests": "0", "stage_model_repositories": str(repository)},
         batching=dataclasses.replace(S.PIPELINE.batching, max_queue_size=16))
     return ([(budget, "pipeline"), (logits, "tag_pipeline"), (shedding, "pipeline")]
-            + [(t, "tagger") for t in taggers])
+            + [(t, "tagger") for t in taggers]
+            + [(c, S.DIGITS_CASCADE.name) for c in control_flow.cascade_variants(repository)])
 
 
 def build_variants(target: Path, repository: Path) -> Path:
@@ -904,4 +905,5 @@ EXPERIMENTS = {
     "overload": overload,
     "ort_options": ort_options,
     "overhead": overhead.overhead,
+    "control_flow": control_flow.control_flow,
 }

@@ -12,7 +12,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 ORDER = ["orchestration", "fanout", "designs", "large_output", "clients", "tuning", "overload",
-         "ort_options"]
+         "ort_options", "control_flow"]
 
 
 def machine(gpu_build: bool = False) -> dict[str, str]:

@@ -1,0 +1,358 @@
+"""`make bench-control_flow`: what an ensemble does that `pipeline` now does too, and what only a
+BLS can do.
+
+- **Pruning.** `pipeline` and `pipeline_ensemble` asked for "classes only", "embedding only"
+  and "all outputs": throughput at concurrency ``CONCURRENCY`` and the sub-requests each stage
+  received per client request (Triton's ``nv_inference_request_success``), in both regimes —
+  the committed CNNs (the benchmark's server) and the fast sub-models that stand for a GPU (a
+  server of its own over ``overhead.fast_repository``). The load is the project's asyncio gRPC
+  client: perf_analyzer always asks for every output.
+- **Windowing.** Tokens per second for documents of 512, 2 048 and 8 192 tokens through
+  `tag_pipeline` (windows cut and stitched in the orchestrator), against a client that cuts the
+  same windows, sends each as a separate 512-token request at the same concurrency and stitches
+  the answers itself — to `tag_pipeline` (what a client had to do before) and to `tagger_tags`
+  directly (no orchestrator hop at all).
+- **Cascade.** On the held-out split of the digits: accuracy of `digits_small` alone,
+  `digits_large` alone and `digits_cascade` at three thresholds, the share of rows escalated,
+  and throughput at concurrency 16 of each and of `digits_ensemble` (both models, always).
+
+Rounds are interleaved so that a slow spell of this shared 2-core host hits every subject alike;
+the figures are the medians of the rounds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import statistics
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+
+from bench import overhead
+from bls_models import pipelines
+from bls_models import spec as S
+from modelgen import nets
+from tritonlocal import TritonServer, on_free_ports
+
+ROOT = Path(__file__).resolve().parents[1]
+CONCURRENCY = 16
+SUBSETS = {"classes only": ("CLASS_IDS", "CLASS_PROBS"), "embedding only": ("EMBEDDING",),
+           "all outputs": ()}
+STAGES = ("preprocess", "classifier", "embedder", "postprocess")
+DOCUMENT_LENGTHS = (512, 2048, 8192)
+WINDOW_CONCURRENCY = 4  # requests in flight, documents or windows: tag_pipeline's max batch
+
+
+# -- load ------------------------------------------------------------------------------------------
+def scrape(url: str) -> dict[tuple[str, str], float]:
+    """(metric, model) -> value for Triton's per-model counters, as scraped now."""
+    with urllib.request.urlopen(url, timeout=10) as response:
+        text = response.read().decode()
+    values: dict[tuple[str, str], float] = {}
+    for line in text.splitlines():
+        match = re.match(r'^(nv_inference_request_success|nv_inference_count)\{(.*)\} (\S+)$', line)
+        if match:
+            model = dict(re.findall(r'(\w+)="([^"]*)"', match.group(2))).get("model", "")
+            key = (match.group(1), model)
+            values[key] = values.get(key, 0.0) + float(match.group(3))
+    return values
+
+
+def _moved(before: dict, after: dict, metric: str, model: str) -> float:
+    return after.get((metric, model), 0.0) - before.get((metric, model), 0.0)
+
+
+async def drive(url: str, model: str, requests: list[dict[str, np.ndarray]], concurrency: int,
+                outputs: tuple[str, ...] = (), warmup: int = 0) -> tuple[float, list]:
+    """Send ``requests`` (each {input name: array}) to ``model`` with ``concurrency`` in flight
+    on one asyncio gRPC client, asking for ``outputs`` (all when empty); returns (wall seconds
+    of the measured ones, their results in order). The first ``warmup`` are sent first and not
+    measured."""
+    import tritonclient.grpc.aio as grpcaio
+    from tritonclient.utils import np_to_triton_dtype
+
+    client = grpcaio.InferenceServerClient(url)
+    slots = asyncio.Semaphore(concurrency)
+    wanted = [grpcaio.InferRequestedOutput(name) for name in outputs] or None
+
+    async def one(inputs):
+        tensors = []
+        for name, data in inputs.items():
+            tensor = grpcaio.InferInput(name, list(data.shape), np_to_triton_dtype(data.dtype))
+            tensor.set_data_from_numpy(data)
+            tensors.append(tensor)
+        async with slots:
+            return await client.infer(model, tensors, outputs=wanted, client_timeout=300)
+
+    try:
+        await asyncio.gather(*(one(inputs) for inputs in requests[:warmup]))
+        started = time.monotonic()
+        results = await asyncio.gather(*(one(inputs) for inputs in requests[warmup:]))
+        return time.monotonic() - started, results
+    finally:
+        await client.close()
+
+
+def run(coroutine):
+    return asyncio.run(coroutine)
+
+
+# -- pruning ---------------------------------------------------------------------------------------
+def _pruning(result, url: str, metrics_url: str, regime: str, count: int,
+             rounds: int) -> dict:
+    """Throughput and sub-requests per client request of each (model, subset) in ``regime``."""
+    image = nets.synthetic_images(1, seed=5).numpy()
+    requests = [{"IMAGE": image}] * count
+    throughput: dict[tuple[str, str], list[float]] = {}
+    per_request: dict[tuple[str, str], dict[str, float]] = {}
+    for round_ in range(rounds):
+        for model in ("pipeline", "pipeline_ensemble"):
+            for subset, outputs in SUBSETS.items():
+                run(drive(url, model, requests[:2 * CONCURRENCY], CONCURRENCY, outputs))
+                before = scrape(metrics_url)
+                wall, _ = run(drive(url, model, requests, CONCURRENCY, outputs))
+                after = scrape(metrics_url)
+                rate = count / wall
+                throughput.setdefault((model, subset), []).append(rate)
+                sent = {stage: _moved(before, after, "nv_inference_request_success", stage) / count
+                        for stage in STAGES}
+                per_request[(model, subset)] = sent
+                result.rows.append({"experiment": result.name, "part": "pruning",
+                                    "regime": regime, "variant": f"{model}: {subset}",
+                                    "model": model, "subset": subset, "round": round_ + 1,
+                                    "concurrency": CONCURRENCY, "throughput": rate,
+                                    **{f"{stage}_subrequests_per_request": value
+                                       for stage, value in sent.items()}})
+    medians = {key: statistics.median(values) for key, values in throughput.items()}
+    result.summary += [
+        f"**Pruning, {regime}** (concurrency {CONCURRENCY}, {count} requests of one image per "
+        f"subject and round, {rounds} interleaved rounds, median throughput in requests/s; "
+        "sub-requests each stage received per client request, from Triton's "
+        "`nv_inference_request_success`):", "",
+        "| model | asked for | throughput | " + " | ".join(STAGES) + " |",
+        "|---|---|---|" + "---|" * len(STAGES)]
+    for (model, subset), rate in medians.items():
+        sent = per_request[(model, subset)]
+        result.summary.append(f"| `{model}` | {subset} | {rate:.1f} | "
+                              + " | ".join(f"{sent[stage]:.2f}" for stage in STAGES) + " |")
+    ratios = {subset: medians[("pipeline", subset)] / medians[("pipeline_ensemble", subset)]
+              for subset in SUBSETS}
+    result.summary += ["", "`pipeline` / `pipeline_ensemble` throughput: " + ", ".join(
+        f"{subset} **{ratio:.2f}**" for subset, ratio in ratios.items()) + ".", ""]
+    return {"throughput": {f"{m}: {s}": round(v, 2) for (m, s), v in medians.items()},
+            "ratio": {s: round(r, 3) for s, r in ratios.items()},
+            "subrequests_per_request": {f"{m}: {s}": {k: round(v, 3) for k, v in sent.items()}
+                                        for (m, s), sent in per_request.items()}}
+
+
+# -- windowing -------------------------------------------------------------------------------------
+def _documents(length: int, count: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(length)
+    return [rng.integers(0, S.TAGGER_VOCAB, (1, length), dtype=np.int64) for _ in range(count)]
+
+
+def _client_windows(url: str, model: str, documents: list[np.ndarray]) -> float:
+    """The client cuts each document into the orchestrator's windows, sends every window as a
+    request of its own (``WINDOW_CONCURRENCY`` in flight) and stitches the answers; returns the
+    wall seconds."""
+    window = S.TAGGER_SEQ_LEN
+    started = time.monotonic()
+    cuts = []
+    requests = []
+    for tokens in documents:
+        length = tokens.shape[1]
+        starts, ends = pipelines.windows(length, window, S.WINDOW_OVERLAP)
+        cuts.append((length, starts, ends, len(requests)))
+        for start in starts:
+            piece = np.zeros((1, window), np.int64)
+            part = tokens[:, start:start + window]
+            piece[:, :part.shape[1]] = part
+            requests.append({"TOKENS": piece})
+    _, results = run(drive(url, model, requests, WINDOW_CONCURRENCY, ("TAGS", "TAG_PROBS")))
+    for length, starts, ends, first in cuts:
+        tags = np.empty((1, length), np.int64)
+        begin = 0
+        for index, (start, end) in enumerate(zip(starts, ends)):
+            tags[:, begin:end] = results[first + index].as_numpy("TAGS")[:, begin - start:end - start]
+            begin = end
+    return time.monotonic() - started
+
+
+def _windowing(result, url: str, quick: bool) -> dict:
+    rounds = 1 if quick else 3
+    budget_windows = 8 if quick else 96  # windows per subject and round
+    rates: dict[tuple[int, str], list[float]] = {}
+    subjects = ("`tag_pipeline` cuts the windows", "client windows -> `tag_pipeline`",
+                "client windows -> `tagger_tags`")
+    for round_ in range(rounds):
+        for length in DOCUMENT_LENGTHS:
+            per_document = len(pipelines.windows(length, S.TAGGER_SEQ_LEN, S.WINDOW_OVERLAP)[0])
+            documents = _documents(length, max(2, budget_windows // per_document))
+            tokens = length * len(documents)
+            run(drive(url, "tag_pipeline", [{"TOKENS": d} for d in documents[:2]],
+                      WINDOW_CONCURRENCY))  # warm-up
+            for subject in subjects:
+                if subject == subjects[0]:
+                    wall, _ = run(drive(url, "tag_pipeline", [{"TOKENS": d} for d in documents],
+                                        WINDOW_CONCURRENCY))
+                else:
+                    wall = _client_windows(url, "tag_pipeline" if "pipeline" in subject
+                                           else "tagger_tags", documents)
+                rate = tokens / wall
+                rates.setdefault((length, subject), []).append(rate)
+                result.rows.append({"experiment": result.name, "part": "windowing",
+                                    "variant": f"{subject}, {length} tokens", "length": length,
+                                    "subject": subject, "round": round_ + 1,
+                                    "documents": len(documents), "windows": per_document,
+                                    "concurrency": WINDOW_CONCURRENCY, "tokens_per_s": rate})
+    medians = {key: statistics.median(values) for key, values in rates.items()}
+    result.summary += [
+        f"**Windowing** ({S.TAGGER_SEQ_LEN}-token windows sharing at least {S.WINDOW_OVERLAP} "
+        f"tokens, {WINDOW_CONCURRENCY} requests in flight — documents, or the client's windows —"
+        f" about {budget_windows} windows per subject and round, {rounds} interleaved rounds; "
+        "median tokens/s):", "",
+        "| document | windows | " + " | ".join(subjects) + " | BLS / client windows |",
+        "|---|---|" + "---|" * (len(subjects) + 1)]
+    ratios = {}
+    for length in DOCUMENT_LENGTHS:
+        windows = len(pipelines.windows(length, S.TAGGER_SEQ_LEN, S.WINDOW_OVERLAP)[0])
+        ratios[length] = medians[(length, subjects[0])] / medians[(length, subjects[1])]
+        result.summary.append(f"| {length} tokens | {windows} | " + " | ".join(
+            f"{medians[(length, s)]:.0f}" for s in subjects) + f" | {ratios[length]:.2f} |")
+    result.summary.append("")
+    return {"tokens_per_s": {f"{s}, {n}": round(v, 1) for (n, s), v in medians.items()},
+            "ratio": {str(n): round(r, 3) for n, r in ratios.items()}}
+
+
+# -- cascade ---------------------------------------------------------------------------------------
+CASCADE_THRESHOLDS = (0.5, float(S.CASCADE_THRESHOLD.default), 0.95)
+CASCADE_CONCURRENCY = 16
+
+
+def cascade_model(threshold: float) -> str:
+    """The served cascade at ``threshold``: the committed model, or a variant of it."""
+    if threshold == float(S.CASCADE_THRESHOLD.default):
+        return S.DIGITS_CASCADE.name
+    return f"{S.DIGITS_CASCADE.name}_{round(100 * threshold):03d}"
+
+
+def cascade_variants(repository: Path) -> list:
+    """The benchmark's cascades at the other thresholds, over ``repository``'s digits models."""
+    import dataclasses
+
+    return [dataclasses.replace(S.DIGITS_CASCADE, name=cascade_model(t), parameters={
+                **S.DIGITS_CASCADE.parameters, "threshold": f"{t:g}",
+                "stage_model_repositories": str(repository)})
+            for t in CASCADE_THRESHOLDS if cascade_model(t) != S.DIGITS_CASCADE.name]
+
+
+def _cascade(result, url: str, repository: Path, quick: bool) -> dict:
+    from modelgen import digits
+
+    _, x_test, _, y_test = digits.split()
+    if quick:
+        x_test, y_test = x_test[:64], y_test[:64]
+    rows = [{S.DIGIT_PIXELS.name: x_test[i:i + 1]} for i in range(len(x_test))]
+    subjects = [(S.DIGITS_SMALL.name, "`digits_small` alone"),
+                (S.DIGITS_LARGE.name, "`digits_large` alone"),
+                *[(cascade_model(t), f"`digits_cascade` at {t:g}") for t in CASCADE_THRESHOLDS],
+                (S.DIGITS_ENSEMBLE.name, "`digits_ensemble` (both, always)")]
+    rounds = 1 if quick else 3
+    rates: dict[str, list[float]] = {}
+    outcome: dict[str, tuple[float, float | None]] = {}
+    for round_ in range(rounds):
+        for model, label in subjects:
+            wall, answers = run(drive(url, model, rows, CASCADE_CONCURRENCY, warmup=32))
+            truth = y_test[32:]  # the measured ones
+            if model == S.DIGITS_ENSEMBLE.name:
+                digit = np.array([a.as_numpy("LARGE_PROBS")[0].argmax() for a in answers])
+                escalated = None
+            elif model in (S.DIGITS_SMALL.name, S.DIGITS_LARGE.name):
+                digit = np.array([a.as_numpy(S.DIGIT_PROBS.name)[0].argmax() for a in answers])
+                escalated = float(model == S.DIGITS_LARGE.name)
+            else:
+                digit = np.array([a.as_numpy(S.DIGIT.name)[0, 0] for a in answers])
+                escalated = float(np.mean([a.as_numpy(S.ESCALATED.name)[0, 0] for a in answers]))
+            accuracy = float((digit == truth).mean())
+            outcome[label] = (accuracy, escalated)
+            rate = len(answers) / wall
+            rates.setdefault(label, []).append(rate)
+            result.rows.append({"experiment": result.name, "part": "cascade", "variant": label,
+                                "model": model, "round": round_ + 1,
+                                "concurrency": CASCADE_CONCURRENCY, "throughput": rate,
+                                "accuracy": accuracy, "escalated": escalated})
+    in_process = {m.what: m for m in digits.evaluate(repository, CASCADE_THRESHOLDS)}
+    medians = {label: statistics.median(values) for label, values in rates.items()}
+    result.summary += [
+        f"**Cascade** (the held-out split of scikit-learn's digits, {len(truth)} images after 32 "
+        f"warm-up, one image per request, concurrency {CASCADE_CONCURRENCY}, {rounds} "
+        "interleaved rounds, median throughput; accuracy and the share escalated as served, "
+        "and in-process with ONNX Runtime on all 450 held-out images):", "",
+        "| served | accuracy | escalated | throughput (images/s) | in-process accuracy, "
+        "escalated |", "|---|---|---|---|---|"]
+    names = {"`digits_small` alone": S.DIGITS_SMALL.name, "`digits_large` alone":
+             S.DIGITS_LARGE.name, **{f"`digits_cascade` at {t:g}": f"cascade at {t:g}"
+                                     for t in CASCADE_THRESHOLDS}}
+    for label, rate in medians.items():
+        accuracy, escalated = outcome[label]
+        local = in_process.get(names.get(label, ""))
+        result.summary.append(
+            f"| {label} | {100 * accuracy:.2f} % | "
+            f"{'–' if escalated is None else f'{100 * escalated:.1f} %'} | {rate:.0f} | "
+            + (f"{100 * local.accuracy:.2f} %, {100 * local.escalated:.1f} %" if local else "–")
+            + " |")
+    result.summary.append("")
+    committed = f"`digits_cascade` at {float(S.CASCADE_THRESHOLD.default):g}"
+    return {"accuracy": {label: round(a, 4) for label, (a, _) in outcome.items()},
+            "escalated": {label: e for label, (_, e) in outcome.items()},
+            "throughput": {label: round(r, 1) for label, r in medians.items()},
+            "committed": committed,
+            "points_below_large": round(100 * (outcome["`digits_large` alone"][0]
+                                               - outcome[committed][0]), 2)}
+
+
+# -- the experiment --------------------------------------------------------------------------------
+def control_flow(ctx) -> object:
+    from bench.experiments import Result, _target
+
+    result = Result("control_flow", "What an ensemble cannot do: requested outputs, long "
+                    "documents, a cascade")
+    quick = ctx.quick
+    count, rounds = (16, 1) if quick else (240, 3)
+    committed = _pruning(result, ctx.server.grpc_url, ctx.server.metrics_url,
+                         "committed CNNs", count // 2 if not quick else count, rounds)
+    with tempfile.TemporaryDirectory(prefix="bench-fast-") as tmp:
+        repository = overhead.fast_repository(Path(tmp) / "repository", ctx.repository)
+        log = ROOT / ".triton" / f"bench-control-flow-fast-{time.strftime('%Y%m%d-%H%M%S')}.log"
+        with TritonServer(on_free_ports(repository, log)) as fast:
+            faster = _pruning(result, fast.grpc_url, fast.metrics_url, "fast sub-models",
+                              count * 2 if not quick else count, rounds)
+    windowing = _windowing(result, ctx.server.grpc_url, quick)
+    cascade = _cascade(result, ctx.server.grpc_url, ctx.repository, quick)
+    result.data.update(pruning={"committed": committed, "fast": faster}, windowing=windowing,
+                       cascade=cascade)
+    embedder = committed["subrequests_per_request"]["pipeline: classes only"]["embedder"]
+    fast_embedder = faster["subrequests_per_request"]["pipeline: classes only"]["embedder"]
+    result.summary += ["**Targets**", "",
+                       _target("\"classes only\": embedder sub-requests per client request "
+                               f"(committed CNNs; fast sub-models: {fast_embedder:.2f})",
+                               embedder, 0.0, "lower"),
+                       _target("\"classes only\" `pipeline` / ensemble throughput, committed "
+                               "CNNs, minus the same for \"all outputs\"",
+                               committed["ratio"]["classes only"] - committed["ratio"]["all outputs"],
+                               0.0, "higher"),
+                       _target("8 192-token documents: tokens/s, BLS / client-side windows",
+                               windowing["ratio"][str(8192)], 1.0, "higher"),
+                       _target(f"cascade at the committed threshold: accuracy points below "
+                               "`digits_large` alone (served)", cascade["points_below_large"],
+                               0.5, "lower"),
+                       _target("cascade at the committed threshold: share of rows escalated",
+                               cascade["escalated"][cascade["committed"]], 0.2, "lower")]
+    result.plot = {"kind": "bars", "title": "Throughput by outputs asked for (concurrency "
+                   f"{CONCURRENCY})", "filter": {"part": "pruning"}, "value": "throughput",
+                   "label": ["regime", "variant"], "xlabel": "requests/s"}
+    return result
