@@ -183,8 +183,8 @@ def _client_windows(url: str, model: str, documents: list[np.ndarray]) -> float:
 
 
 def _windowing(result, url: str, quick: bool) -> dict:
-    rounds = 1 if quick else 3
-    budget_windows = 8 if quick else 96  # windows per subject and round
+    rounds = 1 if quick else 5
+    budget_windows = 8 if quick else 120  # windows per subject and round
     rates: dict[tuple[int, str], list[float]] = {}
     subjects = ("`tag_pipeline` cuts the windows", "client windows -> `tag_pipeline`",
                 "client windows -> `tagger_tags`")
@@ -322,7 +322,9 @@ def control_flow(ctx) -> object:
     result = Result("control_flow", "What an ensemble cannot do: requested outputs, long "
                     "documents, a cascade")
     quick = ctx.quick
-    count, rounds = (16, 1) if quick else (240, 3)
+    # Each subject a few seconds per round: this host's speed moves by tens of per cent within
+    # minutes, so rounds are many and short, interleaved.
+    count, rounds = (16, 1) if quick else (480, 5)
     committed = _pruning(result, ctx.server.grpc_url, ctx.server.metrics_url,
                          "committed CNNs", count // 2 if not quick else count, rounds)
     with tempfile.TemporaryDirectory(prefix="bench-fast-") as tmp:
