@@ -195,7 +195,7 @@ def test_a_pipeline_with_bugs_answers_internal_on_time_and_stops_at_once(reposit
 
     repo = tmp_path / "model_repository"
     repo.mkdir()
-    for stage_model in (S.PREPROCESS, S.EMBEDDER):
+    for stage_model in (S.PREPROCESS, S.EMBEDDER, S.CLASSIFIER):
         (repo / stage_model.name).symlink_to(repository / stage_model.name)
     model_py = repo / NAME / "1" / "model.py"
     model_py.parent.mkdir(parents=True)
