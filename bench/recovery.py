@@ -192,12 +192,14 @@ def kill_under_load(server: launcher.TritonServer, supervisor: launcher.Supervis
         if model != victim:
             run.others_requests += len(got)
             run.others_failed += sum(codes.values())
-    if wait_retired:  # the replaced copy's live stubs stop after the supervisor's retire grace
-        until = time.monotonic() + supervisor.reloader.retire_grace + 5
+    if wait_retired:  # the replaced copy's live stubs stop once their longest deadline is over
+        until = max((entry.due for entry in supervisor.reloader.to_kill),
+                    default=time.monotonic()) + 5
         while supervisor.reloader.to_kill and time.monotonic() < until:
             time.sleep(0.2)
         time.sleep(supervisor.interval * 2)
-    now = set(server.stub_pids(victim))
+    # The stubs that serve the victim now (the replaced copy's, retired, may still be alive).
+    now = set(server.stub_pids(victim)) - supervisor.reloader.retired
     run.stubs_all_new = bool(now) and not (now & stubs_before)
     run.alive_after = server.liveness(retired=supervisor.reloader.retired).ok
     return run, answers

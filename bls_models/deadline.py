@@ -9,8 +9,8 @@ class Deadline:
     """When a request must be answered by, on the ``time.monotonic`` clock.
 
     The client's request timeout (``request.timeout()``, in microseconds; 0 when unset) is the
-    end-to-end budget; without one, the orchestrator's ``default_deadline_ms`` applies.
-    (A plain class: one is made per request.)
+    end-to-end budget, cut to the orchestrator's ``max_deadline_ms``; without one, its
+    ``default_deadline_ms`` applies. (A plain class: one is made per request.)
     """
 
     __slots__ = ("start", "end", "source")
@@ -19,16 +19,20 @@ class Deadline:
         self.start, self.end, self.source = start, end, source  # source: "client" or "default"
 
     @classmethod
-    def for_request(cls, timeout_us: int, default_ms: float, now: float | None = None) -> "Deadline":
+    def for_request(cls, timeout_us: int, default_ms: float, now: float | None = None,
+                    max_ms: float | None = None) -> "Deadline":
         now = time.monotonic() if now is None else now
         if timeout_us > 0:
+            if max_ms is not None and timeout_us > max_ms * 1e3:
+                return cls(now, now + max_ms / 1e3, "capped")
             return cls(now, now + timeout_us / 1e6, "client")
         return cls(now, now + default_ms / 1e3, "default")
 
     @property
     def label(self) -> str:
         """What this deadline is, as error messages name it."""
-        return "client timeout" if self.source == "client" else "default deadline"
+        return {"client": "client timeout", "default": "default deadline",
+                "capped": "client timeout cut to max_deadline_ms"}[self.source]
 
     @property
     def budget_ms(self) -> float:

@@ -72,6 +72,12 @@ class RealParam(Param):
 
 DEFAULT_DEADLINE = Param("default_deadline_ms", "10000",
                          "end-to-end budget when the client sets no timeout", minimum=1)
+MAX_DEADLINE = Param(
+    "max_deadline_ms", "120000",
+    "the longest a request may run: a client timeout above it is cut to it (answered "
+    "UNAVAILABLE by then). The supervisor reads it too: it stops a replaced copy's stubs only "
+    "once this much has passed since the switch, when no request they hold can still be within "
+    "its deadline ([reliability.md](reliability.md#a-stub-killed-under-load))", minimum=1)
 MAX_INFLIGHT = Param("max_inflight_requests", "512",
                      "requests running at once per instance; more wait for a slot", minimum=1)
 MAX_QUEUED = Param(
@@ -114,7 +120,7 @@ RETURN_WITHIN = Param(
     "([orchestrator.md](orchestrator.md#one-request-from-execute-to-its-answer))",
     minimum=0)
 
-COMMON: tuple[Param, ...] = (DEFAULT_DEADLINE, MAX_INFLIGHT, MAX_QUEUED, SUBREQUEST_THREADS,
+COMMON: tuple[Param, ...] = (DEFAULT_DEADLINE, MAX_DEADLINE, MAX_INFLIGHT, MAX_QUEUED, SUBREQUEST_THREADS,
                              RETURN_WITHIN, STAGE_MODEL_REPOSITORIES, GPU_TENSORS)
 
 
@@ -137,6 +143,7 @@ class OrchestratorConfig:
 
     stages: dict[str, Stage]
     default_deadline_ms: int
+    max_deadline_ms: int         # a client's timeout is cut to it; the supervisor waits it out
     max_inflight_requests: int   # per instance: requests running at once
     max_queued_requests: int     # per instance: requests waiting for a slot; then execute waits
     subrequest_threads: int      # per instance: threads running groups and their sub-requests
@@ -185,6 +192,7 @@ def parse(values: dict[str, str], accepted: tuple[Param, ...], stages: list[str]
     config = OrchestratorConfig(
         stages={s: Stage(s, parsed[f"{s}_model"], parsed[f"{s}_timeout_ms"]) for s in stages},
         default_deadline_ms=parsed["default_deadline_ms"],
+        max_deadline_ms=parsed["max_deadline_ms"],
         max_inflight_requests=parsed["max_inflight_requests"],
         max_queued_requests=parsed["max_queued_requests"],
         subrequest_threads=parsed["subrequest_threads"],
@@ -195,6 +203,9 @@ def parse(values: dict[str, str], accepted: tuple[Param, ...], stages: list[str]
         options={name: value for name, value in parsed.items()
                  if name not in _COMMON_NAMES | stage_names},
     )
+    if config.default_deadline_ms > config.max_deadline_ms:
+        problems.append(f"default_deadline_ms ({config.default_deadline_ms}) is above "
+                        f"max_deadline_ms ({config.max_deadline_ms})")
     if problems:
         raise ConfigError("; ".join(problems))
     return config

@@ -191,7 +191,7 @@ class Orchestrator:
         got = self.backend.read(request, self.input_names, self.log)
         job.request_id = got.request_id
         job.deadline = Deadline.for_request(got.timeout_us or 0, self.config.default_deadline_ms,
-                                            arrived)
+                                            arrived, self.config.max_deadline_ms)
         if got.failure is not None:
             missing = got.failure.startswith("missing:")
             self.answers.answer(job, error=InvalidInput(

@@ -401,7 +401,7 @@ class Supervisor:
 
     def __init__(self, server: TritonServer, interval: float = 0.5, restart_grace: float = 10.0,
                  unresponsive_seconds: float = 3.0, max_restarts: int = 5, window: float = 600.0,
-                 max_reloads: int = 5, retire_grace: float = 15.0, state_dir: str | None = None,
+                 max_reloads: int = 5, retire_grace: float = 5.0, state_dir: str | None = None,
                  log=print) -> None:
         self.server = server
         self.interval = interval

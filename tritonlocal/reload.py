@@ -15,8 +15,11 @@ server reports ready (``tritonlocal.liveness``). With the server in explicit mod
   owed through a response sender) are never answered by r24.10, and their response factories keep
   the old copy of the model alive; so its dead stub stays a zombie and its live stubs keep
   running. The reloader *retires* every stub of the old copy: the liveness check no longer counts
-  them, and live ones are SIGKILLed ``retire_grace`` seconds later, when what they held has
-  finished or passed its deadline (docs/reliability.md).
+  them, and a live one is SIGKILLed only once no request it may hold can still be within its
+  deadline: the model's ``max_deadline_ms`` (the orchestrators cut every client timeout to it)
+  plus ``retire_grace`` seconds after the switch, and only if by then the model serves from
+  other stubs. A reload that reports failure retires the old copy the same way, since Triton may
+  have switched copies all the same (a load call that timed out) (docs/reliability.md).
 * **Crash loops.** More than ``max_reloads`` reloads of one model within ``window`` seconds and
   the reloader gives up on that model: it is reported ``failed``, the liveness probe fails (so
   Kubernetes restarts the pod), and the other models keep serving.
@@ -46,6 +49,27 @@ from tritonlocal import liveness, procs
 
 RELOAD_PARAMETER = "tritonlocal.reload"
 STATE_VERSION = 1
+# The orchestrators' parameter that caps every request's deadline, and its default
+# (bls_models.params.MAX_DEADLINE; this module is standard library only, so the value is written
+# here too and a test keeps the two equal). A model without it (not an orchestrator) answers
+# what it holds when its execute returns: only retire_grace is waited.
+MAX_DEADLINE_PARAMETER = "max_deadline_ms"
+DEFAULT_MAX_DEADLINE_MS = 120_000
+
+
+def longest_deadline(config: dict | None) -> float:
+    """Seconds the longest request a model with ``config`` (its served config, as JSON) may
+    still hold runs for: its ``max_deadline_ms``; the default cap when the config is unknown."""
+    if config is None:
+        return DEFAULT_MAX_DEADLINE_MS / 1e3
+    value = ((config.get("parameters") or {}).get(MAX_DEADLINE_PARAMETER) or {}).get(
+        "string_value")
+    if value is None:
+        return 0.0
+    try:
+        return max(0.0, float(value) / 1e3)
+    except ValueError:
+        return DEFAULT_MAX_DEADLINE_MS / 1e3
 
 
 class ReloadError(RuntimeError):
@@ -119,21 +143,41 @@ def _call(url: str, path: str, headers: dict[str, str], body: dict | None = None
         return error.code, error.read()
 
 
-def reload_model(url: str, model: str, headers: dict[str, str], generation: str,
-                 timeout: float = 120.0) -> None:
-    """Make Triton load a new copy of ``model`` (every instance new) and switch to it; returns
-    when the new copy serves. Raises ReloadError with the server's words otherwise."""
-    quoted = urllib.parse.quote(model)
-    status, body = _call(url, f"/v2/models/{quoted}/config", headers, timeout=timeout)
+def model_config(url: str, model: str, headers: dict[str, str], timeout: float = 120.0) -> dict:
+    """``model``'s served config (JSON). Raises ReloadError with the server's words."""
+    status, body = _call(url, f"/v2/models/{urllib.parse.quote(model)}/config", headers,
+                         timeout=timeout)
     if status != 200:
         raise ReloadError(f"/v2/models/{model}/config answered {status}: {body[:200]!r}")
-    config = json.loads(body)
+    return json.loads(body)
+
+
+def reload_model(url: str, model: str, headers: dict[str, str], generation: str,
+                 timeout: float = 120.0, config: dict | None = None) -> None:
+    """Make Triton load a new copy of ``model`` (every instance new) from ``config`` (its served
+    config, fetched when not given) and switch to it; returns when the new copy serves. Raises
+    ReloadError with the server's words otherwise."""
+    config = json.loads(json.dumps(config if config is not None
+                                   else model_config(url, model, headers, timeout)))
     parameters = config.setdefault("parameters", {})
     parameters[RELOAD_PARAMETER] = {"string_value": generation}
-    status, body = _call(url, f"/v2/repository/models/{quoted}/load", headers,
-                         {"parameters": {"config": json.dumps(config)}}, timeout=timeout)
+    status, body = _call(url, f"/v2/repository/models/{urllib.parse.quote(model)}/load",
+                         headers, {"parameters": {"config": json.dumps(config)}},
+                         timeout=timeout)
     if status != 200:
         raise ReloadError(f"load of '{model}' answered {status}: {body[:300]!r}")
+
+
+@dataclass(frozen=True)
+class Retiring:
+    """A live stub of a replaced copy, to be SIGKILLed at ``due`` (monotonic) if it is still
+    that stub (``argv`` names its own shared-memory region: it tells the stub from a later
+    process with its pid) and ``model`` serves from stubs other than ``replaced`` by then."""
+    due: float
+    pid: int
+    argv: tuple[bytes, ...]
+    model: str
+    replaced: frozenset[int]
 
 
 class Reloader:
@@ -142,7 +186,7 @@ class Reloader:
     token)."""
 
     def __init__(self, url: str, headers: dict[str, str], interval: float = 1.0,
-                 max_reloads: int = 5, window: float = 600.0, retire_grace: float = 15.0,
+                 max_reloads: int = 5, window: float = 600.0, retire_grace: float = 5.0,
                  state_dir: str | None = None, log=print) -> None:
         self.url = url
         self.headers = headers
@@ -154,10 +198,8 @@ class Reloader:
         self.log = log
         self.state: State | None = None
         self.history: dict[str, list[float]] = {}   # model -> monotonic times of its reloads
-        # (monotonic due time, pid, argv) of the replaced copies' live stubs: the argv (which
-        # names the stub's own shared-memory region) tells the stub from a later process that
-        # got its pid.
-        self.to_kill: list[tuple[float, int, tuple[bytes, ...]]] = []
+        # The replaced copies' live stubs, each stopped once its longest request is over.
+        self.to_kill: list[Retiring] = []
         self.events: list[tuple[float, str]] = []
 
     # -- state ----------------------------------------------------------------------------
@@ -235,8 +277,11 @@ class Reloader:
         self.log(f"reloader: {report.summary()}; reloading '{model}' alone (reload "
                  f"{len(self.history[model])} of this model within {self.window:.0f} s)")
         state.reloads[model] = state.reloads.get(model, 0) + 1
+        config = None
         try:
-            reload_model(self.url, model, self.headers, f"{state.reloads[model]}-{time.time():.3f}")
+            config = model_config(self.url, model, self.headers)
+            reload_model(self.url, model, self.headers, f"{state.reloads[model]}-{time.time():.3f}",
+                         config=config)
             fresh = liveness.check(self.url, self.server_pid, headers=self.headers,
                                    retired=set(state.retired))
             if model in fresh.dead_models:
@@ -244,40 +289,61 @@ class Reloader:
                                   f"its reload: {fresh.missing}")
         except (ReloadError, liveness.CheckError, OSError, ValueError) as error:
             self.events.append((time.monotonic(), f"reload failed: {model}: {error}"))
-            self.log(f"reloader: reloading '{model}' failed: {error}")
+            # Triton may have switched copies all the same (the load call timed out, or the
+            # check failed): the old copy's stubs are retired like after a reload, and stopped
+            # only if the model serves from other stubs by then.
+            wait = self.retire(model, before, config)
+            self.log(f"reloader: reloading '{model}' failed: {error}; its earlier stubs "
+                     f"{sorted(before)} stop in {wait:.0f} s if another copy serves by then")
             return False
         finally:
             state.reloading = sorted(set(state.reloading) - {model})
-        due = time.monotonic() + self.retire_grace
-        for pid in sorted(before):
-            try:
-                self.to_kill.append((due, pid, procs.process(pid).argv))
-            except (OSError, ValueError, IndexError):
-                continue  # already gone
+        wait = self.retire(model, before, config)
         self.events.append((time.monotonic(), f"reloaded: {model}"))
         self.log(f"reloader: '{model}' is serving again from new stubs after "
                  f"{time.monotonic() - started:.1f} s; the replaced copy's live stubs "
-                 f"{sorted(before)} stop in {self.retire_grace:.0f} s")
+                 f"{sorted(before)} stop in {wait:.0f} s, when no request they hold can still "
+                 "be within its deadline")
         return True
 
-    def kill_due(self, now: float | None = None) -> list[int]:
-        """SIGKILL retired live stubs whose grace has passed, if they are still those stubs (same
-        argv, still the server's children, not zombies)."""
-        now = time.monotonic() if now is None else now
-        due = [(pid, argv) for t, pid, argv in self.to_kill if t <= now]
-        self.to_kill = [entry for entry in self.to_kill if entry[0] > now]
-        killed = []
-        for pid, argv in due:
+    def retire(self, model: str, stubs: set[int], config: dict | None) -> float:
+        """Schedule ``model``'s replaced ``stubs`` to stop once the longest request they may
+        hold is over (``longest_deadline(config)`` + ``retire_grace``); returns that wait."""
+        wait = longest_deadline(config) + self.retire_grace
+        due = time.monotonic() + wait
+        for pid in sorted(stubs):
             try:
-                process = procs.process(pid)
+                self.to_kill.append(Retiring(due, pid, procs.process(pid).argv, model,
+                                             frozenset(stubs)))
+            except (OSError, ValueError, IndexError):
+                continue  # already gone
+        return wait
+
+    def kill_due(self, now: float | None = None) -> list[int]:
+        """SIGKILL retired live stubs whose time has come, if they are still those stubs (same
+        argv, still the server's children, not zombies) and their model serves from other
+        stubs (a reload that failed without switching copies leaves the old copy serving: its
+        stubs are not stopped)."""
+        now = time.monotonic() if now is None else now
+        due = [entry for entry in self.to_kill if entry.due <= now]
+        self.to_kill = [entry for entry in self.to_kill if entry.due > now]
+        killed = []
+        serving = liveness_stubs(self.server_pid) if due else {}
+        for entry in due:
+            try:
+                process = procs.process(entry.pid)
             except (OSError, ValueError, IndexError):
                 continue  # gone
             if (not process.is_stub or process.state == "Z" or process.ppid != self.server_pid
-                    or process.argv != argv):
+                    or process.argv != entry.argv):
+                continue
+            if not set(serving.get(entry.model, ())) - entry.replaced:
+                self.log(f"reloader: '{entry.model}' has no stubs but {sorted(entry.replaced)}: "
+                         f"its copy was not replaced, so stub {entry.pid} keeps serving")
                 continue
             try:
-                os.kill(pid, signal.SIGKILL)
-                killed.append(pid)
+                os.kill(entry.pid, signal.SIGKILL)
+                killed.append(entry.pid)
             except OSError:
                 continue
         return killed
@@ -312,7 +378,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="seconds between checks (default 0.5; ~3.5 ms of CPU each)")
     parser.add_argument("--max-reloads", type=int, default=5)
     parser.add_argument("--window", type=float, default=600.0)
-    parser.add_argument("--retire-grace", type=float, default=15.0)
+    parser.add_argument("--retire-grace", type=float, default=5.0,
+                        help="seconds a replaced copy's stubs live past the longest deadline "
+                             "their model allows (its max_deadline_ms; default 5)")
     args = parser.parse_args(argv)
     if not args.header or "=" not in args.header:
         parser.error("the repository API's header is needed (--header NAME=VALUE)")

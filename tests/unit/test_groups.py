@@ -139,3 +139,17 @@ def test_a_member_cancelled_in_flight_is_answered_before_the_group_finishes(made
     assert codes == ["SUCCESS", "CANCELLED", "SUCCESS"]
     assert requests[1].sender.answered_at < min(requests[0].sender.answered_at,
                                                requests[2].sender.answered_at)
+
+
+def test_a_client_timeout_above_max_deadline_is_answered_at_the_maximum(made):
+    """The cap the supervisor relies on: a request whose client timeout is longer than
+    max_deadline_ms is answered UNAVAILABLE at the maximum, naming it."""
+    pb = FakePbUtils(DirectedRowModels().models())
+    made.append(orch := orchestrator(pb, max_deadline_ms="200", default_deadline_ms="100"))
+    slow = Request(image_of(20), request_id="slow;classifier=1000", timeout_us=5_000_000)
+    started = time.monotonic()
+    pb.execute(orch, [slow])
+    wait_answered([slow])
+    assert code_of(slow.answers[0]) == "UNAVAILABLE"
+    assert "max_deadline_ms" in slow.answers[0].error().message()
+    assert slow.sender.answered_at - started < 0.2 + SLACK

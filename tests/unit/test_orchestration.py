@@ -270,6 +270,23 @@ def test_deadline_from_client_timeout_or_default():
     assert default.source == "default" and default.end == pytest.approx(105.0)
 
 
+def test_a_client_timeout_above_the_maximum_is_cut_to_it():
+    """What lets the supervisor know when a replaced copy's stub can hold nothing any more."""
+    long = Deadline.for_request(timeout_us=300_000_000, default_ms=5000, now=100.0,
+                                max_ms=120_000)
+    assert long.source == "capped" and long.end == pytest.approx(220.0)
+    assert "max_deadline_ms" in long.label
+    within = Deadline.for_request(timeout_us=119_000_000, default_ms=5000, now=100.0,
+                                  max_ms=120_000)
+    assert within.source == "client" and within.end == pytest.approx(219.0)
+
+
+def test_a_default_deadline_above_the_maximum_fails_the_load():
+    with pytest.raises(params.ConfigError, match="default_deadline_ms .* above max_deadline_ms"):
+        S.PIPELINE_DEF.parse({"default_deadline_ms": "60000", "max_deadline_ms": "30000"})
+    assert S.PIPELINE_DEF.parse({}).max_deadline_ms == int(params.MAX_DEADLINE.default)
+
+
 def test_stage_limit_is_the_remaining_budget_capped_by_the_stage_timeout():
     deadline = Deadline.for_request(timeout_us=1_000_000, default_ms=0, now=0.0)
     assert deadline.stage_limit(0, now=0.4)[:2] == (pytest.approx(0.6), "client timeout")

@@ -19,8 +19,11 @@ def reloader(tmp_path, monkeypatch):
     """A Reloader whose server calls are recorded instead of made: reload_model appends the
     model, the post-reload check finds every instance back unless ``still_dead`` names it."""
     calls, still_dead, stubs = [], set(), {"pipeline": [11, 12], "tag_pipeline": [21, 22]}
+    configs = {"pipeline": {"parameters": {"max_deadline_ms": {"string_value": "30000"}}},
+               "tag_pipeline": {"parameters": {}}}
 
-    def fake_reload(url, model, headers, generation, timeout=120.0):
+    def fake_reload(url, model, headers, generation, timeout=120.0, config=None):
+        assert config is configs[model]
         if model in still_dead and "refuse" in still_dead:
             raise reload.ReloadError("load of 'x' answered 403")
         calls.append((model, generation))
@@ -30,6 +33,7 @@ def reloader(tmp_path, monkeypatch):
         return Report(server_pid, True, missing=missing)
 
     monkeypatch.setattr(reload, "reload_model", fake_reload)
+    monkeypatch.setattr(reload, "model_config", lambda url, model, headers: configs[model])
     monkeypatch.setattr(reload.liveness, "check", fake_check)
     monkeypatch.setattr(reload, "liveness_stubs", lambda pid: stubs)
     monkeypatch.setattr(reload.procs, "alive", lambda pid: True)
@@ -38,7 +42,7 @@ def reloader(tmp_path, monkeypatch):
     made = reload.Reloader("x:1", {"h": "v"}, max_reloads=2, window=60.0, retire_grace=5.0,
                            state_dir=str(tmp_path), log=lambda _: None)
     made.attach(1234)
-    made.calls, made.still_dead = calls, still_dead
+    made.calls, made.still_dead, made.stubs = calls, still_dead, stubs
     return made
 
 
@@ -50,7 +54,7 @@ def test_only_the_model_whose_stub_died_is_reloaded_and_its_old_stubs_retired(re
     assert reloader.handle(dead("pipeline_0_0", zombies=[11])) == []
     assert [model for model, _ in reloader.calls] == ["pipeline"]
     assert set(reloader.retired) == {11, 12}
-    assert sorted(pid for _, pid, _ in reloader.to_kill) == [11, 12]
+    assert sorted(entry.pid for entry in reloader.to_kill) == [11, 12]
     state = reload.State.read(reload.state_path(1234, reloader.state_dir))
     assert state.retired == [11, 12] and state.reloading == [] and state.failed == {}
     assert state.reloads == {"pipeline": 1}
@@ -88,10 +92,53 @@ def test_reloads_older_than_the_window_do_not_count(reloader, monkeypatch):
 def test_a_reload_that_does_not_bring_the_model_back_is_reported(reloader):
     reloader.still_dead.add("pipeline")
     assert reloader.handle(dead("pipeline_0_0")) == ["pipeline"]
-    assert reloader.to_kill == [] and reloader.state.reloading == []
+    assert reloader.state.reloading == []
     reloader.still_dead.add("refuse")
     assert reloader.handle(dead("pipeline_0_0")) == ["pipeline"]
     assert any("failed" in what for _, what in reloader.events)
+
+
+def test_replaced_stubs_stop_only_once_the_longest_deadline_has_passed(reloader, monkeypatch):
+    """An orchestrator's replaced copy lives max_deadline_ms (its served config) plus the grace;
+    a model without the parameter, only the grace."""
+    clock = [1000.0]
+    monkeypatch.setattr(reload.time, "monotonic", lambda: clock[0])
+    reloader.handle(dead("pipeline_0_0", "tag_pipeline_0_0"))
+    due = {entry.pid: entry.due for entry in reloader.to_kill}
+    assert due == {11: 1035.0, 12: 1035.0, 21: 1005.0, 22: 1005.0}
+    assert reload.longest_deadline(None) == int(params.MAX_DEADLINE.default) / 1e3
+
+
+def test_the_stub_cap_is_the_orchestrators_default():
+    assert reload.DEFAULT_MAX_DEADLINE_MS == int(params.MAX_DEADLINE.default)
+    assert reload.MAX_DEADLINE_PARAMETER == params.MAX_DEADLINE.name
+
+
+@pytest.mark.parametrize("switched", [True, False])
+def test_after_a_failed_reload_the_old_copy_is_retired_and_stopped_only_if_replaced(
+        reloader, monkeypatch, switched):
+    """A load call that failed may have switched copies all the same (it timed out after
+    Triton began): the old stubs are retired and scheduled; at their time they are stopped if
+    the model serves from other stubs, and left serving if it does not."""
+    class P:
+        ppid, state, is_stub = 1234, "S", True
+
+        def __init__(self, pid):
+            self.argv = (b"stub", str(pid).encode())
+
+    monkeypatch.setattr(reload.procs, "process", P)
+    killed = []
+    monkeypatch.setattr(reload.os, "kill", lambda pid, sig: killed.append(pid))
+    reloader.still_dead.add("pipeline")  # the check after the load says it is not back
+    assert reloader.handle(dead("pipeline_0_0")) == ["pipeline"]
+    assert sorted(entry.pid for entry in reloader.to_kill) == [11, 12]
+    assert {11, 12} <= reloader.retired
+    if switched:
+        reloader.stubs["pipeline"] = [11, 12, 31, 32]  # the new copy's stubs came up after all
+    due = max(entry.due for entry in reloader.to_kill)
+    assert reloader.kill_due(due - 1) == [] and killed == []
+    assert reloader.kill_due(due) == ([11, 12] if switched else [])
+    assert killed == ([11, 12] if switched else []) and reloader.to_kill == []
 
 
 def test_only_due_retired_stubs_that_are_still_live_stubs_of_the_server_are_killed(reloader,
@@ -114,10 +161,15 @@ def test_only_due_retired_stubs_that_are_still_live_stubs_of_the_server_are_kill
     monkeypatch.setattr(reload.procs, "process", process)
     monkeypatch.setattr(reload.os, "kill", lambda pid, sig: killed.append(pid))
     now = time.monotonic()
-    reloader.to_kill = [(now - 1, pid, (b"stub",)) for pid in (11, 12, 13, 14, 15, 17)]
-    reloader.to_kill.append((now + 60, 16, (b"stub",)))
+    reloader.stubs["pipeline"] = [11, 31]  # a new copy serves
+
+    def retiring(due, pid):
+        return reload.Retiring(due, pid, (b"stub",), "pipeline", frozenset({11, 12}))
+
+    reloader.to_kill = [retiring(now - 1, pid) for pid in (11, 12, 13, 14, 15, 17)]
+    reloader.to_kill.append(retiring(now + 60, 16))
     assert reloader.kill_due(now) == [11] and killed == [11]
-    assert reloader.to_kill == [(now + 60, 16, (b"stub",))]
+    assert reloader.to_kill == [retiring(now + 60, 16)]
 
 
 def test_a_new_server_starts_with_a_clean_state_and_the_old_file_goes(reloader):
