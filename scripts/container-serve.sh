@@ -8,7 +8,8 @@
 #   BLS_PROFILE=gpu        KIND_GPU counts per model, ONNX Runtime on CUDA (the default)
 #   BLS_PROFILE=gpu-ort-trt  + ONNX Runtime's TensorRT accelerator (FP16, engines cached)
 #   BLS_PROFILE=gpu-trt    + native TensorRT engines for the CNN stages, built here on first start
-#   BLS_DRY_RUN=1          render and check everything, print the tritonserver command, exit
+#   BLS_DRY_RUN=1          render and check everything, print the tritonserver command (the
+#                          header's value redacted), exit
 #   BLS_RUN_DIR=DIR        where this container renders its repository (default $TMPDIR or /tmp)
 #   BLS_RELOAD=1           run the reload watcher beside the server (the default; 0: none)
 #   TRITONLOCAL_ADMIN_HEADER=NAME=VALUE  restrict every admin API to this header
@@ -18,6 +19,10 @@
 # reloads that model alone through the repository API, and the probes (python3 -m
 # tritonlocal.liveness [--ready]) read what it is doing (docs/operations.md). The repository API
 # answers only the admin header or, without one, a random token made here for the watcher.
+# tritonserver gets that header on its argv, the only place r24.10 takes it (readable in
+# /proc/<pid>/cmdline: docs/operations.md, "Who may reload"), and the watcher in its own
+# environment; it is never in tritonserver's environment, which every python-backend stub
+# inherits.
 #
 # Each start renders the profile into a directory of its own (repository-<profile>.XXXXXX under
 # $BLS_RUN_DIR): $BLS_CACHE may be a volume several containers share (engines are worth sharing),
@@ -33,6 +38,13 @@ profile="${BLS_PROFILE:-gpu}"
 source_repo="${BLS_MODEL_REPOSITORY:-$home/model_repository}"
 dry_run="${BLS_DRY_RUN:-0}"
 run_dir="${BLS_RUN_DIR:-${TMPDIR:-/tmp}}"
+# The repository API's header, taken out of this shell's environment before anything is started:
+# tritonserver would inherit it, and every python-backend stub (any model's code) from it. Only
+# the two processes that need it get it, each in its own environment: the flags printer and the
+# watcher.
+admin_header="${TRITONLOCAL_ADMIN_HEADER:-}"
+token="${TRITONLOCAL_RELOAD_TOKEN:-}"
+unset TRITONLOCAL_ADMIN_HEADER TRITONLOCAL_RELOAD_TOKEN
 
 case "$profile" in
   portable)
@@ -57,19 +69,20 @@ if [ "${1:-}" = --print-repository ]; then
   echo "$repo"
   exit 0
 fi
-if [ -z "${TRITONLOCAL_ADMIN_HEADER:-}" ] && [ -z "${TRITONLOCAL_RELOAD_TOKEN:-}" ]; then
-  TRITONLOCAL_RELOAD_TOKEN="$(python3 -c 'from tritonlocal import flags; print("=".join(flags.new_token()))')"
+if [ -z "$admin_header" ] && [ -z "$token" ]; then
+  token="$(python3 -c 'from tritonlocal import flags; print("=".join(flags.new_token()))')"
 fi
-export TRITONLOCAL_RELOAD_TOKEN="${TRITONLOCAL_RELOAD_TOKEN:-}"
-mapfile -t flags < <(python3 -m tritonlocal.flags --model-repository "$repo")
+mapfile -t flags < <(TRITONLOCAL_ADMIN_HEADER="$admin_header" TRITONLOCAL_RELOAD_TOKEN="$token" \
+                     python3 -m tritonlocal.flags --model-repository "$repo")
 watcher=(python3 -m tritonlocal.reload --url localhost:8000)
 if [ "$dry_run" = 1 ]; then
   if [ "${BLS_RELOAD:-1}" = 1 ]; then echo "beside it: ${watcher[*]}" >&2; fi
-  echo "tritonserver ${flags[*]} $*"
+  # Printed, so without the header's value (CI logs, terminals).
+  printf '%s\0' tritonserver "${flags[@]}" "$@" | python3 -m tritonlocal.flags --redact-command
   exit 0
 fi
 if [ "${BLS_RELOAD:-1}" = 1 ]; then
   # Started before exec, so it outlives this shell; it waits for the server and follows it.
-  "${watcher[@]}" &
+  TRITONLOCAL_ADMIN_HEADER="$admin_header" TRITONLOCAL_RELOAD_TOKEN="$token" "${watcher[@]}" &
 fi
 exec tritonserver "${flags[@]}" "$@"

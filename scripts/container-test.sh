@@ -24,8 +24,10 @@ experiments.build_test_repository(target, real)
 PY
 
 mapfile -t flags < <(python3 -m tritonlocal.flags --model-repository "$repo")
-# Its own session (process group = its pid): the memory tests find its stubs by group.
-setsid tritonserver "${flags[@]}" --model-repository="$fault" >"$work/tritonserver.log" 2>&1 &
+# Its own session (process group = its pid): the memory tests find its stubs by group. Without
+# an admin header or token in its environment, which its stubs would inherit.
+env -u TRITONLOCAL_ADMIN_HEADER -u TRITONLOCAL_RELOAD_TOKEN \
+  setsid tritonserver "${flags[@]}" --model-repository="$fault" >"$work/tritonserver.log" 2>&1 &
 server=$!
 cleanup() { kill -INT "$server" 2>/dev/null || true; wait "$server" 2>/dev/null || true; }
 trap cleanup EXIT

@@ -3,6 +3,13 @@ container (``scripts/container-serve.sh``): one list, so both places serve it th
 
     python3 -m tritonlocal.flags                       # the container's flags, one per line
     python3 -m tritonlocal.flags --model-repository /models
+    printf '%s\0' tritonserver ARG... | python3 -m tritonlocal.flags --redact-command
+
+The repository API's header (an admin header, or the supervisor's token) reaches tritonserver on
+its command line: r24.10 takes it nowhere else. ``redact`` and ``redact_text`` are what every
+printed or logged command line and log excerpt goes through, and ``SECRET_VARIABLES`` are kept
+out of tritonserver's environment, which every python-backend stub inherits (docs/operations.md,
+"Who may reload").
 
 Standard library only: it runs inside the container before anything else is known to work.
 """
@@ -41,9 +48,20 @@ CUDA_POOL_GPUS = 8
 # metadata, inference, model config and statistics stay open.
 RESTRICTED_APIS = ("model-repository", "shared-memory", "logging", "trace")
 # Without an admin header of the operator's, the repository API (which explicit model control
-# opens, for the supervisor's reloads) answers only a random token of this name, which the server's
-# own supervisor holds: nothing is open that model control mode "none" kept closed.
+# opens, for the supervisor's reloads) answers only a random token of this name, made for each
+# server: nothing is open that model control mode "none" kept closed. The supervisor holds it, and
+# tritonserver gets it on its argv, which r24.10's --http-restricted-api and
+# --grpc-restricted-protocol are the only way to give it: any local user who can read that
+# process's /proc/<pid>/cmdline can read it too (docs/operations.md, "Who may reload"). It is in
+# no log, no printed command line, and not in the environment of tritonserver or its stubs.
 TOKEN_HEADER = "triton-reload-token"
+# Where an operator's admin header, or a token chosen for the container, is handed in. Never
+# passed on to tritonserver: its python-backend stubs (any model's code) inherit its environment.
+SECRET_VARIABLES = ("TRITONLOCAL_ADMIN_HEADER", "TRITONLOCAL_RELOAD_TOKEN")
+# The flags whose value carries a header's value (``<apis>:<name>=<value>``), and what is printed
+# instead of that value.
+RESTRICTION_FLAGS = ("--http-restricted-api", "--grpc-restricted-protocol")
+REDACTED = "<redacted>"
 
 
 def serving_flags(shm_default_bytes: int = SHM_DEFAULT_BYTES,
@@ -105,6 +123,55 @@ def admin_restrictions(admin_header: tuple[str, str] | None,
     return restriction_flags(token, ("model-repository",))
 
 
+def _is_restriction_flag(name: str) -> bool:
+    """``name`` is a restriction flag, or an abbreviation getopt_long would take for one."""
+    return any(flag.startswith(name) and len(name) > len("--http-") for flag in RESTRICTION_FLAGS)
+
+
+def _redact_rule(rule: str) -> str:
+    apis, colon, header = rule.partition(":")
+    name, equals, _ = header.partition("=")
+    if not colon or not equals:
+        return REDACTED  # not a rule this module would write: hide all of it
+    return f"{apis}:{name}={REDACTED}"
+
+
+def redact(command: list[str]) -> list[str]:
+    """``command`` (tritonserver's argv, or part of it) as it may be printed or logged: the header
+    value of every restriction flag (``--flag=RULE`` or ``--flag RULE``) replaced by REDACTED,
+    everything else as it is."""
+    shown: list[str] = []
+    rule_next = False
+    for arg in command:
+        name, equals, rule = arg.partition("=")
+        if rule_next:
+            shown.append(_redact_rule(arg))
+            rule_next = False
+        elif name.startswith("--") and _is_restriction_flag(name):
+            if equals:
+                shown.append(f"{name}={_redact_rule(rule)}")
+            else:
+                shown.append(arg)
+                rule_next = True
+        else:
+            shown.append(arg)
+    return shown
+
+
+# A restriction flag's rule in free text; the value ends where check_header forbids a character.
+_RULE_IN_TEXT = re.compile(r"(--(?:http|grpc)-restricted[\w-]*[= ][\w,-]*:[\w-]+=)[^\s'\",:]+")
+
+
+def redact_text(text: str, *values: str) -> str:
+    """``text`` (a log excerpt, an error message) with every restriction flag's header value and
+    every one of ``values`` (the header values a caller knows) replaced by REDACTED."""
+    text = _RULE_IN_TEXT.sub(lambda match: match.group(1) + REDACTED, text)
+    for value in values:
+        if value:
+            text = text.replace(value, REDACTED)
+    return text
+
+
 def container_flags(model_repository: str = CONTAINER_REPOSITORY,
                     admin_header: tuple[str, str] | None = None,
                     token: tuple[str, str] | None = None) -> list[str]:
@@ -128,7 +195,9 @@ def cuda_pool_flags() -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python3 -m tritonlocal.flags",
-                                     description="Print the container's tritonserver flags.")
+                                     description="Print the container's tritonserver flags, the "
+                                                 "restriction header's value included: for the "
+                                                 "entry script to pass on, not to show.")
     parser.add_argument("--model-repository", default=CONTAINER_REPOSITORY)
     parser.add_argument("--admin-header", metavar="NAME=VALUE",
                         default=os.environ.get("TRITONLOCAL_ADMIN_HEADER") or None,
@@ -138,7 +207,15 @@ def main(argv: list[str] | None = None) -> int:
                         default=os.environ.get("TRITONLOCAL_RELOAD_TOKEN") or None,
                         help="without an admin header, the header the repository API answers "
                              "(default $TRITONLOCAL_RELOAD_TOKEN, else a random one)")
+    parser.add_argument("--redact-command", action="store_true",
+                        help="instead: read a command line from stdin, its arguments each ended "
+                             "by a NUL byte, and print it on one line with every restriction "
+                             "flag's header value redacted (the entry script's dry run)")
     args = parser.parse_args(argv)
+    if args.redact_command:
+        command = sys.stdin.buffer.read().decode().split("\0")
+        print(" ".join(redact(command[:-1] if command[-1] == "" else command)))
+        return 0
     try:
         admin = parse_header(args.admin_header) if args.admin_header else None
         token = parse_header(args.token) if args.token else None

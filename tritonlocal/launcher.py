@@ -17,7 +17,10 @@ restarts the whole server only when the server exits, stops answering, or a relo
 
 The server runs in explicit model control mode with every model loaded at start. Its repository
 API answers only the admin header (``ServerOptions.admin_header``) or, without one, a random token
-that only this launcher holds (``TritonServer.repository_headers``).
+made for each server process (``TritonServer.repository_headers``). Either reaches tritonserver on
+its argv alone (r24.10 takes it nowhere else; ``tritonlocal.flags``): never in its environment,
+which its stubs inherit, and redacted wherever the launcher logs or prints the command line or
+the log's tail.
 """
 
 from __future__ import annotations
@@ -71,8 +74,9 @@ class ServerOptions:
     python_thread_pool: int = flags.PYTHON_THREAD_POOL
     # (header name, value): the RESTRICTED_APIS answer only requests that carry this header, over
     # HTTP and gRPC (Triton's --http-restricted-api / --grpc-restricted-protocol). None: the
-    # repository API answers only a random token of this launcher's; the others are open.
-    admin_header: tuple[str, str] | None = None
+    # repository API answers only a random token of this launcher's; the others are open. Left
+    # out of repr: options get printed.
+    admin_header: tuple[str, str] | None = field(default=None, repr=False)
     extra_args: list[str] = field(default_factory=list)
     # Triton's onnxruntime backend (libtriton_onnxruntime.so and its libonnxruntime.so.1), as
     # `make backend` builds it; None: the last build in the cache (backend_build.installed()).
@@ -198,7 +202,8 @@ class TritonServer:
         self.log_file.parent.mkdir(parents=True, exist_ok=True)
         command = self.command(install.server, repository, backends, restrictions)
         with open(self.log_file, "ab") as log:
-            log.write(f"# {' '.join(command)}\n".encode())
+            # The log is echoed to the terminal and kept: the command line without the header.
+            log.write(f"# {' '.join(flags.redact(command))}\n".encode())
             log.flush()
             self.process = _SPAWNER.submit(
                 subprocess.Popen, command, env=env, stdin=subprocess.DEVNULL, stdout=log,
@@ -297,9 +302,13 @@ class TritonServer:
                               expected=expected, retired=retired)
 
     def log_tail(self, lines: int = 40) -> str:
+        """The log's last ``lines``, the repository API's header redacted (error messages quote
+        it)."""
         if self.log_file is None or not self.log_file.exists():
             return ""
-        return "\n".join(self.log_file.read_text(errors="replace").splitlines()[-lines:])
+        tail = "\n".join(self.log_file.read_text(errors="replace").splitlines()[-lines:])
+        return flags.redact_text(tail, *(header[1] for header in (self.options.admin_header,
+                                                                   self.token) if header))
 
     def metadata(self) -> dict:
         with urllib.request.urlopen(f"http://{self.http_url}/v2", timeout=5) as response:

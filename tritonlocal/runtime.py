@@ -17,6 +17,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from tritonlocal import flags
+
 TRITON_VERSION = "2.51.0"  # what nvidia-pytriton 0.7.0 bundles; NGC 24.10 runs the same
 
 
@@ -136,8 +138,10 @@ def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
 
 def server_environment(install: Installation, python: str) -> dict[str, str]:
     """The server's environment: the stub finds its packages through the first ``python3`` on PATH
-    (PYTHONPATH is ignored), and the copied stub needs the wheel's libraries on LD_LIBRARY_PATH."""
-    env = dict(os.environ)
+    (PYTHONPATH is ignored), and the copied stub needs the wheel's libraries on LD_LIBRARY_PATH.
+    Without ``flags.SECRET_VARIABLES``: every python-backend stub (any model's code) inherits it."""
+    env = {name: value for name, value in os.environ.items()
+           if name not in flags.SECRET_VARIABLES}
     env["PATH"] = os.pathsep.join([str(Path(python).parent), env.get("PATH", "")])
     env["LD_LIBRARY_PATH"] = os.pathsep.join(
         p for p in (str(install.libs), env.get("LD_LIBRARY_PATH", "")) if p)

@@ -259,17 +259,21 @@ def mixed_repository(target: Path, repository: Path) -> Path:
     return repo
 
 
-def spawn_serve(repository: Path, tmp_path: Path, *extra: str, sigint_ignored: bool = False):
+def spawn_serve(repository: Path, tmp_path: Path, *extra: str, sigint_ignored: bool = False,
+                quiet: bool = True, env: dict[str, str] | None = None):
     """`python -m tritonlocal serve` (what `make serve` runs) over ``mixed_repository``; with
     ``sigint_ignored``, started as a non-interactive shell starts a background job (`cmd &`):
-    with SIGINT ignored."""
+    with SIGINT ignored. ``quiet=False``: the server log is echoed to its stdout too; ``env``:
+    variables added to its environment."""
     repo = mixed_repository(tmp_path / "repo", repository)
     ports = free_ports(3)
     launcher = subprocess.Popen(
-        [sys.executable, "-m", "tritonlocal", "serve", "--quiet", "--model-repository", str(repo),
+        [sys.executable, "-m", "tritonlocal", "serve", *(["--quiet"] if quiet else []),
+         "--model-repository", str(repo),
          "--http-port", str(ports[0]), "--grpc-port", str(ports[1]),
          "--metrics-port", str(ports[2]), "--log-file", str(tmp_path / "server.log"), *extra],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, **env} if env else None,
         preexec_fn=(lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if sigint_ignored
         else None)
     return launcher, ports

@@ -1,12 +1,19 @@
 """Who may change what the server serves: endpoints bound to 127.0.0.1; the repository API
 (load/unload, which explicit model control opens for the supervisor's reloads) refused without
 the server's own token; and — with an admin header — the model-repository and shared-memory
-APIs refused to any request without it, over HTTP and gRPC, while inference stays open."""
+APIs refused to any request without it, over HTTP and gRPC, while inference stays open. The
+token or header is on tritonserver's argv only: in no log, no launcher output, and not in the
+environment of tritonserver or its stubs."""
 
 from __future__ import annotations
 
 import json
+import re
+import signal
+import threading
+import time
 import uuid
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -17,7 +24,9 @@ from tritonclient.utils import InferenceServerException
 
 from bls_models import spec as S
 from tests.live.support import make_repository, server_options
-from tritonlocal import LauncherError, ServerOptions, TritonServer, flags
+from tritonlocal import LauncherError, ServerOptions, TritonServer, flags, procs
+from tritonlocal.launcher import group_stubs
+from tritonlocal.liveness import server_pids
 
 HEADER = ("triton-admin-key", f"k{uuid.uuid4().hex}")
 
@@ -192,3 +201,80 @@ def test_inference_needs_no_header(restricted, protocol):
 def test_a_malformed_admin_header_is_refused_before_start(repository, tmp_path, header):
     with pytest.raises(LauncherError, match="admin header"):
         TritonServer(ServerOptions(repository, admin_header=header)).start()
+
+
+def proc_text(pid: int, name: str) -> str:
+    """/proc/<pid>/<name> (cmdline, environ), its NUL separators as newlines."""
+    return Path(f"/proc/{pid}/{name}").read_bytes().replace(b"\0", b"\n").decode(errors="replace")
+
+
+def assert_kept_secret(value: str, server_pid: int, log: Path, *outputs: str) -> None:
+    """``value`` is on tritonserver's argv (r24.10 takes it only there) and nowhere else: not in
+    the server log (whose first line is the redacted command), the outputs, or the environment
+    of tritonserver or of any of its python-backend stubs."""
+    assert value in proc_text(server_pid, "cmdline")
+    text = log.read_text(errors="replace")
+    assert value not in text
+    assert text.startswith("# ") and flags.REDACTED in text.splitlines()[0]
+    for output in outputs:
+        assert value not in output
+    stubs = [pid for pids in group_stubs(server_pid).values() for pid in pids]
+    assert stubs, "no python-backend stub to check"
+    for pid in [server_pid, *stubs]:
+        environ = proc_text(pid, "environ")
+        assert value not in environ, f"process {pid}'s environment holds the header"
+        assert not any(line.startswith(tuple(f"{v}=" for v in flags.SECRET_VARIABLES))
+                       for line in environ.splitlines()), pid
+
+
+def test_the_servers_token_is_in_no_log_and_no_stubs_environment(server):
+    value = server.token[1]
+    assert_kept_secret(value, server.process.pid, server.log_file)
+    # ... and still opens the repository API, which refuses any request without it.
+    assert http_post(server, "/v2/repository/index").status_code == 403
+    reply = requests.post(f"http://{server.http_url}/v2/repository/index",
+                          headers=server.repository_headers, timeout=30)
+    assert reply.status_code == 200, reply.text
+
+
+@pytest.mark.parametrize("given", ["token", "admin-header"])
+def test_make_serve_keeps_the_header_out_of_its_output_the_log_and_the_stubs(serve, tmp_path, given):
+    """`python -m tritonlocal serve` with the log echoed: its own token, or an admin header from
+    TRITONLOCAL_ADMIN_HEADER. A TRITONLOCAL_RELOAD_TOKEN in its environment is not passed on
+    either."""
+    planted = f"{flags.TOKEN_HEADER}=planted{uuid.uuid4().hex}"
+    env = {"TRITONLOCAL_RELOAD_TOKEN": planted}
+    if given == "admin-header":
+        env["TRITONLOCAL_ADMIN_HEADER"] = f"{HEADER[0]}={HEADER[1]}"
+    launcher, ports = serve("--check-interval", "0.5", quiet=False, env=env)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(iter(launcher.stdout.readline, "")),
+                              daemon=True)
+    reader.start()
+    try:
+        deadline = time.monotonic() + 120
+        while not any("is ready" in line for line in lines):
+            assert launcher.poll() is None and time.monotonic() < deadline, "".join(lines)
+            time.sleep(0.2)
+        (pid,) = [p for p in server_pids() if procs.stat(p)[2] == launcher.pid]
+        (rule,) = [a.split("=", 1)[1] for a in proc_text(pid, "cmdline").splitlines()
+                   if a.startswith("--http-restricted-api=")]
+        name, value = rule.split(":", 1)[1].split("=", 1)
+        if given == "admin-header":
+            assert (name, value) == HEADER
+        else:
+            assert name == flags.TOKEN_HEADER and re.fullmatch(r"[0-9a-f]{32}", value), rule
+        url = f"http://127.0.0.1:{ports[0]}/v2/repository/index"
+        assert requests.post(url, timeout=30).status_code == 403
+        assert requests.post(url, headers={name: value}, timeout=30).status_code == 200
+        log = tmp_path / "server.log"
+        assert_kept_secret(value, pid, log, "".join(lines))
+        assert planted.split("=")[1] not in proc_text(pid, "environ")
+        assert any(line.startswith("# ") and flags.REDACTED in line for line in lines), \
+            "the launcher's output echoes the log, its command line included"
+    finally:
+        launcher.send_signal(signal.SIGINT)
+        launcher.wait(60)
+        reader.join(10)
+    assert launcher.returncode == 0, "".join(lines)
+    assert value not in "".join(lines)

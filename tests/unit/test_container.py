@@ -123,22 +123,75 @@ def restricted(command: list[str]) -> dict[str, str]:
 def test_the_container_restricts_the_repository_api_its_explicit_mode_opens(tmp_path, repository,
                                                                           admin):
     """Explicit model control opens load/unload: without the operator's admin header, only a
-    token made at each start (and handed to the reload watcher) opens them."""
+    token made at each start (and handed to the reload watcher) opens them. The dry run prints
+    the command without the header's value."""
     env = {"TRITONLOCAL_RELOAD_TOKEN": None, "TRITONLOCAL_ADMIN_HEADER": admin}
-    runs = [entry_script("portable", tmp_path / "cache", tmp_path / f"run{i}", repository, env=env)
-            for i in range(2)]
-    commands = [run.stdout.strip().splitlines()[-1].split() for run in runs]
-    assert all("--model-control-mode=explicit" in c and "--load-model=*" in c for c in commands)
-    rules = [restricted(c) for c in commands]
-    for rule in rules:
-        assert set(rule) == {"--http-restricted-api", "--grpc-restricted-protocol"}
-        assert len(set(rule.values())) == 1
-    rule = rules[0]["--http-restricted-api"]
+    run = entry_script("portable", tmp_path / "cache", tmp_path / "run", repository, env=env)
+    command = run.stdout.strip().splitlines()[-1].split()
+    assert "--model-control-mode=explicit" in command and "--load-model=*" in command
+    rule = restricted(command)
+    assert set(rule) == {"--http-restricted-api", "--grpc-restricted-protocol"}
+    assert len(set(rule.values())) == 1
     if admin is None:
-        assert re.fullmatch(r"model-repository:triton-reload-token=[0-9a-f]{32}", rule), rule
-        assert rules[0] != rules[1], "the same token twice"
+        assert rule["--http-restricted-api"] == f"model-repository:triton-reload-token={flags.REDACTED}"
     else:
-        assert rule == f"{','.join(flags.RESTRICTED_APIS)}:{admin}"
+        assert rule["--http-restricted-api"] == (f"{','.join(flags.RESTRICTED_APIS)}:"
+                                                 f"triton-admin-key={flags.REDACTED}")
+        assert "s3cret" not in run.stdout + run.stderr
+
+
+def test_a_token_is_new_at_every_start():
+    rules = [restricted(flags.container_flags())["--http-restricted-api"] for _ in range(2)]
+    assert all(re.fullmatch(r"model-repository:triton-reload-token=[0-9a-f]{32}", r) for r in rules)
+    assert rules[0] != rules[1], "the same token twice"
+
+
+FAKE_PYTHON = """#!/bin/sh
+# The watcher records what it was given and ends; any other python3 call is the real one.
+if [ "$1 $2" = "-m tritonlocal.reload" ]; then
+  env > "$FAKE_OUT/watcher.env"; exit 0
+fi
+exec {python} "$@"
+"""
+FAKE_SERVER = """#!/bin/sh
+env > "$FAKE_OUT/server.env"; printf '%s\\n' "$@" > "$FAKE_OUT/server.argv"
+"""
+
+
+# ids: pytest puts the test's id in the environment (PYTEST_CURRENT_TEST), the value must not be.
+@pytest.mark.parametrize("admin", [None, "triton-admin-key=s3cretXYZ"], ids=["token", "admin"])
+def test_the_header_reaches_tritonserver_on_its_argv_and_the_watcher_alone_in_its_environment(
+        tmp_path, repository, admin):
+    """A real start, with stand-ins for tritonserver and the watcher: the header is in the
+    server's argv (r24.10 takes it there only) and the watcher's environment, never in the
+    server's environment (every stub inherits it) nor in anything printed."""
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    for name, text in (("python3", FAKE_PYTHON.format(python=Path(sys.executable).parent / "python3")),
+                       ("tritonserver", FAKE_SERVER)):
+        (fake / name).write_text(text)
+        (fake / name).chmod(0o755)
+    out = tmp_path / "out"
+    out.mkdir()
+    env = {"BLS_DRY_RUN": "0", "FAKE_OUT": str(out), "TRITONLOCAL_RELOAD_TOKEN": None,
+           "TRITONLOCAL_ADMIN_HEADER": admin,
+           "PATH": f"{fake}:{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    run = entry_script("portable", tmp_path / "cache", tmp_path / "run", repository, env=env)
+    argv = (out / "server.argv").read_text().splitlines()
+    header = restricted(argv)["--http-restricted-api"].split(":", 1)[1]
+    if admin is None:
+        assert re.fullmatch(r"triton-reload-token=[0-9a-f]{32}", header), header
+    else:
+        assert header == admin
+    value = header.split("=", 1)[1]
+    server_env = (out / "server.env").read_text()
+    assert value not in server_env
+    assert not re.search(r"(?m)^TRITONLOCAL_(ADMIN_HEADER|RELOAD_TOKEN)=", server_env)
+    watcher_env = dict(line.split("=", 1) for line in
+                       (out / "watcher.env").read_text().splitlines() if "=" in line)
+    assert header in (watcher_env.get("TRITONLOCAL_ADMIN_HEADER"),
+                      watcher_env.get("TRITONLOCAL_RELOAD_TOKEN"))
+    assert value not in run.stdout + run.stderr
 
 
 def served_repository(command: list[str]) -> Path:
@@ -158,7 +211,9 @@ def test_the_entry_script_dry_run_renders_the_profile_and_the_command(profile, t
         assert re.fullmatch(rf"repository-{profile}\.\w{{6}}", served.name), served.name
         assert (served / "pipeline" / "config.pbtxt").is_file()
     assert command[0] == "tritonserver" and command[-1] == "--log-verbose=1"
-    assert command[1:-1] == flags.container_flags(str(served), token=flags.parse_header(TOKEN_SPEC))
+    assert command[1:-1] == flags.redact(flags.container_flags(str(served),
+                                                              token=flags.parse_header(TOKEN_SPEC)))
+    assert "t0ken" not in done.stdout + done.stderr
     assert "beside it: python3 -m tritonlocal.reload" in done.stderr
     if profile == "gpu-trt":
         assert "classifier_trt" in done.stderr and "nothing built" in done.stderr
