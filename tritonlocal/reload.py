@@ -269,7 +269,12 @@ class Reloader:
         that every instance of it has a new live stub."""
         state = self.state
         before = set(liveness_stubs(self.server_pid).get(model, []))
-        state.retired = sorted(set(state.retired) | before | set(report.zombies))
+        # A stub killed a moment ago may still be exiting: its argv (so its instance) is gone
+        # but it is no zombie yet. Left out, it would turn into a zombie of no known instance
+        # after the reload, which the supervisor restarts the whole server for.
+        dying = {stub.pid for stub in liveness.stubs_of(self.server_pid)
+                 if not stub.instance and stub.state != "Z"}
+        state.retired = sorted(set(state.retired) | before | set(report.zombies) | dying)
         state.reloading = sorted(set(state.reloading) | {model})
         self.publish()
         started = time.monotonic()

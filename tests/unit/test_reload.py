@@ -36,6 +36,7 @@ def reloader(tmp_path, monkeypatch):
     monkeypatch.setattr(reload, "model_config", lambda url, model, headers: configs[model])
     monkeypatch.setattr(reload.liveness, "check", fake_check)
     monkeypatch.setattr(reload, "liveness_stubs", lambda pid: stubs)
+    monkeypatch.setattr(reload.liveness, "stubs_of", lambda pid: [])
     monkeypatch.setattr(reload.procs, "alive", lambda pid: True)
     monkeypatch.setattr(reload.procs, "process", lambda pid: type("P", (), {
         "argv": (b"stub", str(pid).encode()), "is_stub": False, "state": "S", "ppid": 0})())
@@ -252,3 +253,15 @@ def test_the_state_of_an_earlier_server_with_the_same_pid_is_ignored(monkeypatch
     report = liveness.check("x:1", 1, expected={}, state=earlier)
     assert report.zombies == [11] and report.failed == {} and not report.watched
     assert not earlier.belongs_to(1) and reload.State(1, 500).belongs_to(1)
+
+
+def test_a_stub_still_exiting_at_the_reload_is_retired_with_the_dead(reloader, monkeypatch):
+    """Killed a moment before the check, a stub may have lost its argv (so its instance) without
+    being a zombie yet: it is retired, so the zombie it becomes is not taken for an unknown
+    dead stub (which the supervisor would restart the whole server for)."""
+    monkeypatch.setattr(reload.liveness, "stubs_of", lambda pid: [
+        liveness.Stub(40, "R", None), liveness.Stub(41, "S", "pipeline_0_1"),
+        liveness.Stub(42, "Z", None)])
+    reloader.handle(dead("pipeline_0_0"))
+    assert 40 in reloader.retired and 41 not in reloader.retired
+    assert 40 not in {entry.pid for entry in reloader.to_kill}
