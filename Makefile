@@ -14,6 +14,7 @@ GRPC_PORT        ?= 8001
 METRICS_PORT     ?= 8002
 PYTEST_ARGS      ?=
 SOAK_ARGS        ?=
+CHAOS            ?=
 # Triton's onnxruntime backend: the r24.10 source tarballs (no network needed when given; else
 # GitHub), the ONNX Runtime C API header (a libonnxruntime-dev .deb; else ONNX Runtime's release)
 # and the build cache (keyed by every input; rebuilt only when one changes).
@@ -58,7 +59,7 @@ BENCH_EXPERIMENTS := ort_options orchestration overhead coalescing fanout design
 help: ## Show this help
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-15s %s\n", $$1, $$2}'
 	@echo "  make bench-<experiment>  one experiment: $(BENCH_EXPERIMENTS)"
-	@echo "  Variables: HTTP_PORT GRPC_PORT METRICS_PORT MODEL_REPOSITORY MODEL_SIZE=small|full|fast PYTEST_ARGS SOAK_ARGS"
+	@echo "  Variables: HTTP_PORT GRPC_PORT METRICS_PORT MODEL_REPOSITORY MODEL_SIZE=small|full|fast PYTEST_ARGS SOAK_ARGS CHAOS=1"
 	@echo "  Backend:   TRITON_SOURCES=$(TRITON_SOURCES) ORT_HEADERS=$(ORT_HEADERS) BACKEND_CACHE=$(BACKEND_CACHE) BACKEND_GPU_CACHE=$(BACKEND_GPU_CACHE) GPU_RUNTIME=1 JOBS"
 	@echo "  GPU host:  make serve BLS_PROFILE=gpu|gpu-ort-trt (no Docker), make gpu-check GPU_CHECK_ARGS"
 	@echo "  Container: IMAGE TEST_IMAGE BLS_PROFILE=portable|gpu|gpu-ort-trt|gpu-trt GPUS SHM_SIZE TEST_SHM_SIZE PUBLISH_HOST CACHE_VOLUME TEST_CACHE_VOLUME"
@@ -114,8 +115,8 @@ test-unit: $(STAMP) ## Only the tests that need no server
 bench: models backend ## Run every benchmark (perf_analyzer; ~70 min, 27 of it tuning) -> bench/results/REPORT.md
 	$(PY) -m bench
 
-soak: models backend ## Soak both orchestrators (100 000 requests at concurrency 512; SOAK_ARGS) -> bench/results/soak.md
-	$(PY) -m bench.soak $(SOAK_ARGS)
+soak: models backend ## Soak both orchestrators (100 000 requests at concurrency 512; SOAK_ARGS) -> bench/results/soak.md; CHAOS=1: 20 min with bad inputs, cancels, short deadlines and stub kills -> chaos.md
+	$(PY) -m bench.$(if $(filter 1,$(CHAOS)),chaos,soak) $(SOAK_ARGS)
 
 $(addprefix bench-,$(BENCH_EXPERIMENTS)): bench-%: models backend ## (bench-orchestration, bench-fanout, ...) one experiment
 	$(PY) -m bench --experiment $*

@@ -22,7 +22,8 @@ EXTERNAL = os.environ.get("TRITON_EXTERNAL_SERVER", "")
 # Need the local launcher (their own servers, the wheel's binary), a loopback-only bind, or
 # perf_analyzer, none of which the container's server has: skipped there.
 LOCAL_ONLY = ("test_launcher.py", "test_recovery.py", "test_security.py", "test_perf_analyzer.py",
-              "test_bench_smoke.py", "test_readme_load_test.py", "test_extending.py")
+              "test_bench_smoke.py", "test_readme_load_test.py", "test_extending.py",
+              "test_chaos.py")
 
 
 @dataclass

@@ -1,0 +1,52 @@
+"""The chaos soak's short version (`make soak CHAOS=1` is the long one): 60 s of load on both
+orchestrators with bad inputs, cancelled calls, deadlines too short to meet and one stub
+SIGKILLed, every request accounted for.
+
+It starts its own server (the committed repository plus the test variants, as the session
+server serves them) with the launcher's supervisor; the session server is never disturbed."""
+
+from __future__ import annotations
+
+import asyncio
+
+from bench import chaos
+from tests.live.support import server_options
+from tritonlocal import TritonServer
+from tritonlocal.launcher import Supervisor
+
+SECONDS = 60.0
+KILL_EVERY = 60.0   # one kill, 30 s in
+CONCURRENCY = 32
+
+
+def test_a_short_chaos_soak_answers_every_request_once_and_fails_no_innocent(
+        repository, fault_repository, tmp_path):
+    options = server_options(repository, tmp_path, stop_grace=5.0,
+                             extra_args=[f"--model-repository={fault_repository}"])
+    with TritonServer(options) as server:
+        supervisor = Supervisor(server, restart_grace=5.0, retire_grace=3.0,
+                                log=lambda line: print(line)).start()
+        try:
+            result = asyncio.run(chaos.run(server, supervisor, SECONDS, CONCURRENCY, seed=29,
+                                           kill_every=KILL_EVERY))
+        finally:
+            supervisor.stop()
+    text = chaos.report(result, tmp_path, "test").read_text()
+    print(text)
+    by_kind = result.by_kind
+    # Every kind of request was sent and the stub was killed: the run tested something.
+    assert set(by_kind) == set(chaos.KINDS), by_kind
+    assert len(result.kills) == 1 and result.kills[0].reloaded_s is not None, result.kills
+    # Exactly once: nothing lost, no id answered twice or answered with another's, apart from
+    # the orphans of the kill (r24.10 never answers what a dead stub owed), which are bounded.
+    assert result.lost == 0, [n for n in result.notable if n["why"] == "lost"]
+    assert result.duplicates == 0 and result.mismatches == 0
+    assert result.orphans <= result.orphan_bound, result.kills
+    # Innocent requests fail only in flight at the kill, and only on the killed model.
+    assert result.innocent_failed == 0, [n for n in result.notable if n["why"] == "innocent failed"]
+    assert result.bad_accepted == 0
+    assert by_kind["good"].get("ok", 0) > 0 and by_kind["poison"].get("error", 0) > 0
+    # The stub's death cost a reload of its model, never the whole server.
+    assert result.server_restarts == 0 and not result.reload_failures, result.reload_failures
+    assert not result.supervisor_error
+    assert (tmp_path / "chaos.csv").exists() and "Verdict" in text

@@ -1,0 +1,87 @@
+"""The chaos soak's accounting (bench/chaos.py) on made-up outcomes: no server."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+
+from bench import chaos
+from bench.chaos import Chaos, Kill, Outcome
+
+
+def supervisor(reloader_events, events=()):
+    return SimpleNamespace(reloader=SimpleNamespace(events=list(reloader_events)),
+                           events=list(events), error=None)
+
+
+def outcome(n, model, started, finished, result, kind="good", deadline=10.0, code=None,
+            answered_id=None):
+    rid = f"chaos-0-{n}"
+    if result == "ok" and answered_id is None:
+        answered_id = rid
+    return Outcome(rid, model, "grpc", kind, deadline, started, finished, result, code, answered_id)
+
+
+def test_each_request_lands_in_exactly_one_place():
+    # pipeline killed at t=100, its reload from 100.1 to 101.0.
+    kills = [(Kill("pipeline", 4242, 100.0), 100.0)]
+    sup = supervisor([(100.1, "reload: pipeline: missing"), (101.0, "reloaded: pipeline")])
+    outcomes = [
+        outcome(0, "pipeline", 99.0, 99.5, "ok"),
+        outcome(1, "pipeline", 99.5, 115.0, "no answer"),  # an orphan: the dead stub held it
+        outcome(2, "pipeline", 100.5, 101.5, "error", code="StatusCode.INTERNAL"),  # at the kill
+        outcome(3, "tag_pipeline", 99.5, 115.0, "no answer"),         # not the killed model: lost
+        outcome(4, "pipeline", 105.0, 105.2, "error", code="StatusCode.INTERNAL"),  # innocent
+        outcome(5, "pipeline", 105.0, 105.2, "ok", kind="bad_dtype"),  # accepted a bad input
+        outcome(6, "pipeline", 106.0, 106.9, "ok", kind="short_deadline", deadline=0.002),  # late
+        outcome(7, "pipeline", 107.0, 107.1, "cancelled", kind="cancel"),
+        outcome(8, "pipeline", 108.0, 108.1, "ok", answered_id="chaos-0-0"),  # another's id
+    ]
+    result = Chaos(60, 8, 1, 10.0, sent=len(outcomes))
+    chaos.account(result, outcomes, kills, sup, started=0.0)
+    assert result.orphans == 1 and result.in_flight_at_kills == 1  # #2 was sent after it
+    assert result.lost == 1
+    assert result.innocent_failed_at_kills == 1 and result.innocent_failed == 1
+    assert result.bad_accepted == 1
+    assert result.answers_late == 1 and result.worst_excess_id == "chaos-0-6"
+    assert result.answers_late_at_kills == 0
+    assert result.mismatches == 1 and result.duplicates == 1
+    assert result.kills[0].reload_s == 0.9 and result.kills[0].reloaded_s == 1.0
+    assert result.by_kind["cancel"] == {"cancelled": 1}
+    assert not result.clean
+    assert {n["why"] for n in result.notable} == {
+        "orphan", "lost", "innocent, in flight at a kill", "innocent failed",
+        "bad input accepted", "late"}
+
+
+def test_a_run_with_only_orphans_at_the_kill_is_clean():
+    kills = [(Kill("tag_pipeline", 7, 50.0), 50.0)]
+    sup = supervisor([(50.2, "reload: tag_pipeline: x"), (51.0, "reloaded: tag_pipeline")])
+    outcomes = [outcome(i, "tag_pipeline", 49.0, 49.5 + i / 100, "ok") for i in range(20)]
+    outcomes.append(outcome(99, "tag_pipeline", 49.9, 65.0, "no answer"))
+    result = Chaos(60, 8, 1, 10.0, sent=len(outcomes))
+    chaos.account(result, outcomes, kills, sup, started=0.0)
+    assert result.orphans == 1 <= result.orphan_bound
+    assert result.clean, result
+
+
+def test_requests_are_drawn_in_the_promised_shares_and_repeatably():
+    inputs = chaos.Inputs()
+
+    def kinds(seed):
+        rng = np.random.default_rng([seed, 3])
+        return [chaos.draw(rng, "pipeline", inputs, 10.0, 5.0) for _ in range(20_000)]
+
+    drawn = kinds(1)
+    assert [r.kind for r in drawn[:200]] == [r.kind for r in kinds(1)[:200]]
+    share = {k: sum(r.kind == k for r in drawn) / len(drawn) for k in chaos.KINDS}
+    assert abs(share["cancel"] - 0.05) < 0.01 and abs(share["short_deadline"] - 0.05) < 0.01
+    assert abs(share["bad_dtype"] + share["poison"] - 0.05) < 0.01 and share["bad_tokens"] == 0
+    assert all(r.model == chaos.POISON_MODEL for r in drawn if r.kind == "poison")
+    assert all(0.001 <= r.deadline_s <= 0.005 for r in drawn if r.kind == "short_deadline")
+    assert all(r.limit_s <= 0.2 for r in drawn if r.kind == "cancel")
+    assert all(r.limit_s == r.deadline_s + 5.0 for r in drawn if r.kind != "cancel")
+    tags = [chaos.draw(np.random.default_rng(2), "tag_pipeline", inputs, 10.0, 5.0)
+            for _ in range(2_000)]
+    assert all(r.model == "tag_pipeline" and r.kind != "poison" for r in tags)
