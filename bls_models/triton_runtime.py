@@ -543,8 +543,9 @@ class Orchestrator:
         member hears its own outcome."""
         self.metrics.increment("bls_isolated_requests_total", len(live))
         with self.exclusive.held(group.latest().deadline.end) as held:
-            if not held:  # every member's deadline passed meanwhile
-                self._fail(group, error)
+            if not held:  # every deadline passed while others isolated: no one is to blame
+                for member in live:
+                    self._deadline(member)
                 return
             again = []
             for member in live:

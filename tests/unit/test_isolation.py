@@ -5,6 +5,8 @@ that fails everything, and isolations of two instances that never overlap."""
 
 from __future__ import annotations
 
+import fcntl
+import os
 import threading
 import time
 
@@ -234,3 +236,27 @@ def test_two_instances_never_isolate_at_the_same_time(made):
     alone = sorted((start, end) for start, end, n in spans if n == 1)
     assert len(alone) >= 8
     assert all(later[0] >= earlier[1] for earlier, later in zip(alone, alone[1:])), alone
+
+
+def test_an_isolation_that_cannot_start_before_the_deadline_blames_no_one(made):
+    """Another instance isolates (it holds the lock) past the members' deadline: every member
+    hears that its deadline passed (UNAVAILABLE, retryable), none the poisoned row's INVALID_ARG.
+    The clock's deadline timers are held back so that the isolation's own answer is the one
+    checked (in a server the two race at the deadline)."""
+    pb = FakePbUtils(DirectedRowModels(poisoned_stages=("embedder",)).models())
+    made.append(orch := orchestrator(pb))
+    at = orch.clock.at
+    orch.clock.at = lambda when, callback, *args: at(
+        when + (3600 if callback == orch._deadline else 0), callback, *args)
+    held = os.open(orch.exclusive.path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        requests = [Request(image_of(v), request_id=f"r{v}", timeout_us=500_000)
+                    for v in (20, POISON, 22, 23)]
+        pb.execute(orch, requests)
+        assert answered_codes(requests) == ["UNAVAILABLE"] * 4
+    finally:
+        os.close(held)
+    for request in requests:
+        assert "deadline exceeded in stage 'embedder'" in request.answers[0].error().message()
+    assert len([rid for model, rid in pb.calls if model == "embedder"]) == 1  # no re-run
