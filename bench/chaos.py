@@ -17,8 +17,10 @@ the client's number, what it is:
 
 - 5 % bad inputs: the wrong datatype (both models), out-of-range token ids (`tag_pipeline`), or
   a poisoned image sent to `pipeline_poison_embedder`, whose embedder stage is a model that
-  fails its whole batch on one poisoned item (``modelgen/poison.py``). A tenth of the good
-  image requests go there too, as the batch-mates that must not fail with it;
+  fails its whole batch on one poisoned item (``modelgen/poison.py``). Half the good image
+  requests go there too, as the batch-mates that must not fail with it: poisoned images are
+  then ~5.6 % of that model's requests, as bad inputs are of every model's (with a tenth they
+  were 23 %: docs/reliability.md);
 - 5 % cancelled by the client after 1-200 ms (the asyncio task is cancelled: gRPC cancels the
   call, HTTP closes its connection);
 - 5 % with a deadline too short to meet (a Triton timeout of 1-5 ms);
@@ -43,7 +45,9 @@ What the run guarantees, each checked in the verdict (``Chaos.clean``):
   ending after the kill and sent before its new copy served (+0.5 s);
 - bad inputs are never answered with a success;
 - every server answer comes within its deadline + 0.5 s, client-measured (the worst excess is
-  reported);
+  reported). Those Triton's own queue answered ("Request timeout expired": r24.10 rejects an
+  expired request only when its batcher reaches it, docs/reliability.md) are counted apart
+  from the orchestrators' answers, and both count against the verdict;
 - 0 whole-server restarts, every kill followed by a reload, none failed.
 
 It also reports each reload's duration, the error codes per kind of request, and memory every
@@ -51,7 +55,8 @@ It also reports each reload's duration, the error codes per kind of request, and
 retired ones apart), and the python backend's shared-memory regions in /dev/shm, each as a
 growth per 10 000 requests after warm-up (``bench.soak.growth_per_10k``). It writes
 ``chaos.json``, ``chaos.csv`` (the memory samples), ``chaos.png`` and ``chaos.md`` into
-``--out`` and exits non-zero unless the run was clean.
+``--out``, every request's outcome by id into ``--raw`` (git-ignored), and exits non-zero unless
+the run was clean.
 """
 
 from __future__ import annotations
@@ -86,6 +91,8 @@ ANSWER_SLACK_S = 0.5          # an answer may come this long after its deadline
 AFTER_RELOAD_S = 0.5          # requests sent this soon after the switch may still meet the old copy
 MIB = 2**20
 RAMP_S = 5.0
+TRITON_QUEUE_TIMEOUT = "Request timeout expired"   # the queue policy's answer (core r24.10)
+SHOWN = 50                    # requests of each reason listed in chaos.md (and kept in chaos.json)
 
 
 @dataclass
@@ -148,6 +155,7 @@ class Chaos:
     innocent_failed: int = 0              # anywhere else: must be 0
     bad_accepted: int = 0
     answers_late: int = 0                 # answered later than deadline + ANSWER_SLACK_S
+    answers_late_by_triton_queue: int = 0  # of which Triton's queue answered (a queue timeout)
     answers_late_at_kills: int = 0        # of which in flight while a model was reloading
     worst_excess_s: float = 0.0           # the latest answer past its deadline (negative: none)
     worst_excess_id: str = ""
@@ -204,7 +212,7 @@ class Request:
 
 
 def draw(rng: np.random.Generator, family: str, inputs: Inputs, deadline_s: float,
-         grace_s: float, poison_mates: float = 0.1) -> Request:
+         grace_s: float, poison_mates: float = 0.5) -> Request:
     """What one request of a ``family`` client is: 5 % bad input, 5 % cancelled, 5 % a deadline
     too short to meet, the rest innocent."""
     roll = rng.random()
@@ -269,10 +277,11 @@ def process_memory(server_pid: int, retired: set[int]) -> dict[str, float]:
 async def run(server: launcher.TritonServer, supervisor: launcher.Supervisor, seconds: float,
               concurrency: int = 256, seed: int = 29, deadline_s: float = 10.0,
               grace_s: float = 5.0, kill_every: float = 90.0, tag_share: float = 0.125,
-              http_share: float = 0.25, sample_every: float = 2.0, progress=print) -> Chaos:
+              http_share: float = 0.25, sample_every: float = 2.0, progress=print,
+              outcomes: list[Outcome] | None = None) -> Chaos:
     """The chaos load against ``server`` (watched by ``supervisor``, already started) for
     ``seconds``, then every request still in flight awaited, the last reload waited for, and
-    the accounting done."""
+    the accounting done. Each request's outcome is appended to ``outcomes`` if given."""
     import tritonclient.grpc.aio as grpcaio
     import tritonclient.http.aio as httpaio
     from tritonclient.utils import InferenceServerException
@@ -282,7 +291,7 @@ async def run(server: launcher.TritonServer, supervisor: launcher.Supervisor, se
     grpc = grpcaio.InferenceServerClient(server.grpc_url)
     http = httpaio.InferenceServerClient(server.http_url, conn_limit=concurrency,
                                          conn_timeout=deadline_s + grace_s + 30)
-    outcomes: list[Outcome] = []
+    outcomes = [] if outcomes is None else outcomes
     kills: list[tuple[Kill, float]] = []   # (kill, monotonic time)
     started = time.monotonic()
     stop_at = started + seconds
@@ -472,9 +481,12 @@ def account(chaos: Chaos, outcomes: list[Outcome], kills: list[tuple[Kill, float
             if excess > ANSWER_SLACK_S:
                 chaos.answers_late += 1
                 why = "late"
+                if o.result == "error" and TRITON_QUEUE_TIMEOUT in o.message:
+                    chaos.answers_late_by_triton_queue += 1
+                    why = "late, by Triton's queue"
                 if any(o.started <= until and o.finished >= at for _, at, until, _ in windows):
                     chaos.answers_late_at_kills += 1  # a reload's CPU slows every model
-                    why = "late, during a reload"
+                    why += ", during a reload"
             if o.kind in BAD and o.result == "ok":
                 chaos.bad_accepted += 1
                 why = "bad input accepted"
@@ -510,10 +522,30 @@ def account(chaos: Chaos, outcomes: list[Outcome], kills: list[tuple[Kill, float
 
 
 # -- report ---------------------------------------------------------------------------------------
-def report(chaos: Chaos, out: Path, command: str) -> Path:
+def shown(chaos: Chaos, limit: int = SHOWN) -> list[dict]:
+    """The first ``limit`` notable requests of each reason."""
+    seen: collections.Counter = collections.Counter()
+    kept = []
+    for n in chaos.notable:
+        seen[n["why"]] += 1
+        if seen[n["why"]] <= limit:
+            kept.append(n)
+    return kept
+
+
+def report(chaos: Chaos, out: Path, command: str, raw: Path | None = None,
+           outcomes: list[Outcome] | None = None) -> Path:
+    """chaos.{json,csv,png,md} into ``out``; every request's outcome, one JSON line each, into
+    ``raw``/chaos-requests.jsonl (raw data: not for git)."""
     out.mkdir(parents=True, exist_ok=True)
-    (out / "chaos.json").write_text(json.dumps({**asdict(chaos), "clean": chaos.clean,
-                                                "command": command}, indent=1) + "\n")
+    if raw is not None and outcomes is not None:
+        raw.mkdir(parents=True, exist_ok=True)
+        with (raw / "chaos-requests.jsonl").open("w") as handle:
+            for o in outcomes:
+                handle.write(json.dumps(asdict(o)) + "\n")
+    summary = {**asdict(chaos), "notable": shown(chaos), "clean": chaos.clean,
+               "command": command}
+    (out / "chaos.json").write_text(json.dumps(summary, indent=1) + "\n")
     keys = sorted({k for s in chaos.samples for k in s} - {"seconds", "completed"})
     with (out / "chaos.csv").open("w", newline="") as handle:
         writer = csv.DictWriter(handle, fieldnames=["seconds", "completed", *keys])
@@ -544,9 +576,10 @@ def report(chaos: Chaos, out: Path, command: str) -> Path:
               f"- innocent requests failed: **{chaos.innocent_failed}** elsewhere, "
               f"{chaos.innocent_failed_at_kills} in flight at a kill",
               f"- bad inputs answered with a success: **{chaos.bad_accepted}**",
-              f"- answers later than deadline + {ANSWER_SLACK_S} s: **{chaos.answers_late}** "
-              f"({chaos.answers_late_at_kills} of them in flight during a reload); "
-              f"worst excess over the deadline {chaos.worst_excess_s:+.3f} s "
+              f"- answers later than deadline + {ANSWER_SLACK_S} s: **{chaos.answers_late}**, "
+              f"{chaos.answers_late_by_triton_queue} of them by Triton's queue "
+              f"(\"{TRITON_QUEUE_TIMEOUT}\"), {chaos.answers_late_at_kills} in flight during a "
+              f"reload; worst excess over the deadline {chaos.worst_excess_s:+.3f} s "
               f"(`{chaos.worst_excess_id}`)",
               f"- whole-server restarts: **{chaos.server_restarts}**; reloads: {chaos.reloads} "
               f"for {len(chaos.kills)} kills; failed reloads: {chaos.reload_failures or 'none'}"
@@ -567,13 +600,20 @@ def report(chaos: Chaos, out: Path, command: str) -> Path:
         unit = "" if key.endswith("count") else " MiB"
         lines.append(f"| {key} | {first:.0f} → {last:.0f}{unit} | "
                      f"{chaos.memory_growth_mib_per_10k.get(key, float('nan')):+.1f}{unit} |")
-    shown = [n for n in chaos.notable if n["why"] != "innocent, in flight at a kill"][:20]
-    if shown:
-        lines += ["", "Requests that did not end as their kind should (first 20; all in "
-                      "chaos.json):", ""]
+    reasons = collections.Counter((n["why"], n["model"], n["code"] or n["result"])
+                                  for n in chaos.notable)
+    if reasons:
+        lines += ["", "Requests that did not end as their kind should, by reason (every "
+                      "request's outcome: `chaos-requests.jsonl` in the raw directory):", "",
+                  "| reason | model | code | requests |", "|---|---|---|---|"]
+        lines += [f"| {why} | `{model}` | {code} | {n} |"
+                  for (why, model, code), n in sorted(reasons.items())]
+    listed = [n for n in shown(chaos, 10) if n["why"] != "innocent, in flight at a kill"]
+    if listed:
+        lines += ["", "The first 10 of each reason (more in chaos.json):", ""]
         lines += [f"- `{n['id']}` {n['model']} {n['protocol']} {n['kind']}: {n['why']}, "
                   f"{n['result']} {n['code'] or ''} after {n['seconds']} s (sent at "
-                  f"{n['started_s']} s) {n['message'][:120]}" for n in shown]
+                  f"{n['started_s']} s) {n['message'][:120]}" for n in listed]
     if plotted:
         lines += ["", "![memory over the run](chaos.png)"]
     path = out / "chaos.md"
@@ -626,6 +666,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="share of the clients sending tag_pipeline requests")
     parser.add_argument("--http-share", type=float, default=0.25, help="share of HTTP clients")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
+    parser.add_argument("--raw", type=Path, default=ROOT / "bench" / "results" / "raw",
+                        help="where every request's outcome goes (git-ignored)")
     parser.add_argument("--model-repository", type=Path, default=ROOT / "model_repository")
     args = parser.parse_args(argv)
     command = "python -m bench.chaos " + " ".join(argv if argv is not None else sys.argv[1:])
@@ -646,14 +688,16 @@ def main(argv: list[str] | None = None) -> int:
             supervisor = launcher.Supervisor(server, restart_grace=5.0, retire_grace=5.0,
                                              log=lambda line: print(f"  {line}", flush=True))
             supervisor.start()
+            outcomes: list[Outcome] = []
             try:
                 chaos = asyncio.run(run(server, supervisor, seconds, args.concurrency, args.seed,
                                         args.deadline_s, args.grace_s, kill_every,
                                         args.tag_share, args.http_share,
-                                        progress=lambda line: print(line, flush=True)))
+                                        progress=lambda line: print(line, flush=True),
+                                        outcomes=outcomes))
             finally:
                 supervisor.stop()
-    path = report(chaos, args.out, command.strip())
+    path = report(chaos, args.out, command.strip(), args.raw, outcomes)
     print(path.read_text())
     return 0 if chaos.clean else 1
 

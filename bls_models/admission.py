@@ -5,8 +5,9 @@ their group has no sub-request out: the runtime releases it);
 up to ``max_queued`` more wait here for one, first come first served, each answered when its
 deadline passes. Beyond those ``execute`` waits for room, so further requests stay in Triton's
 bounded queue — but only until the earliest deadline among those it holds. Waiting here rather
-than in Triton's queue keeps deadlines on time under overload: while every instance is busy,
-Triton checks its queue's timeouts only every 500 ms (core r24.10 ``dynamic_batch_scheduler.cc``).
+than in Triton's queue keeps deadlines on time under overload: Triton r24.10 rejects an expired
+request only when its batcher reaches it, or in a sweep after 500 ms in which no instance came
+free (core ``dynamic_batch_scheduler.cc``, ``WaitForPayloadSlotAvailable``).
 Pure threading; the runtime answers and starts what this hands back.
 """
 

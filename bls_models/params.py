@@ -83,8 +83,8 @@ MAX_INFLIGHT = Param("max_inflight_requests", "512",
 MAX_QUEUED = Param(
     "max_queued_requests", "512",
     "requests per instance that wait in the orchestrator for a slot, each answered when its "
-    "deadline passes; beyond them `execute` waits, leaving requests in Triton's queue (whose "
-    "timeout check runs only every 500 ms while the instances are busy). 0: `execute` waits at "
+    "deadline passes; beyond them `execute` waits, leaving requests in Triton's queue (which rejects "
+    "an expired one only when its batcher reaches it, or after 500 ms with no instance free). 0: `execute` waits at "
     "once (shed load with the queue policy's `max_queue_size`)", minimum=0)
 SUBREQUEST_THREADS = Param(
     "subrequest_threads", "64",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from types import SimpleNamespace
 
 import numpy as np
@@ -79,9 +80,31 @@ def test_requests_are_drawn_in_the_promised_shares_and_repeatably():
     assert abs(share["cancel"] - 0.05) < 0.01 and abs(share["short_deadline"] - 0.05) < 0.01
     assert abs(share["bad_dtype"] + share["poison"] - 0.05) < 0.01 and share["bad_tokens"] == 0
     assert all(r.model == chaos.POISON_MODEL for r in drawn if r.kind == "poison")
+    # The poisoned model sees bad inputs at about the 5 % every model sees, not more.
+    there = [r for r in drawn if r.model == chaos.POISON_MODEL]
+    assert 0.04 < sum(r.kind == "poison" for r in there) / len(there) < 0.07
     assert all(0.001 <= r.deadline_s <= 0.005 for r in drawn if r.kind == "short_deadline")
     assert all(r.limit_s <= 0.2 for r in drawn if r.kind == "cancel")
     assert all(r.limit_s == r.deadline_s + 5.0 for r in drawn if r.kind != "cancel")
     tags = [chaos.draw(np.random.default_rng(2), "tag_pipeline", inputs, 10.0, 5.0)
             for _ in range(2_000)]
     assert all(r.model == "tag_pipeline" and r.kind != "poison" for r in tags)
+
+
+def test_late_answers_of_tritons_queue_are_told_apart_and_every_outcome_is_kept(tmp_path):
+    outcomes = [
+        Outcome("chaos-0-0", "pipeline", "grpc", "short_deadline", 0.002, 10.0, 12.0, "error",
+                "StatusCode.UNAVAILABLE", None, "Request timeout expired"),
+        Outcome("chaos-0-1", "pipeline", "http", "short_deadline", 0.002, 10.0, 11.0, "error",
+                "503", None, "deadline exceeded in stage 'embedder' (model 'embedder'): ..."),
+        outcome(2, "pipeline", 10.0, 10.1, "ok"),
+    ]
+    result = Chaos(60, 8, 1, 10.0, sent=len(outcomes))
+    chaos.account(result, outcomes, [], supervisor([]), started=0.0)
+    assert result.answers_late == 2 and result.answers_late_by_triton_queue == 1
+    assert [n["why"] for n in result.notable] == ["late, by Triton's queue", "late"]
+    assert not result.clean
+    text = chaos.report(result, tmp_path / "out", "test", tmp_path / "raw", outcomes).read_text()
+    assert "| late, by Triton's queue | `pipeline` | StatusCode.UNAVAILABLE | 1 |" in text
+    lines = (tmp_path / "raw" / "chaos-requests.jsonl").read_text().splitlines()
+    assert [json.loads(line)["id"] for line in lines] == [o.id for o in outcomes]
