@@ -25,7 +25,7 @@ def key(job) -> tuple:
 class Group:
     __slots__ = ("members", "inputs", "rows", "ids", "last", "lock", "flow", "out", "stage",
                  "started", "detached", "asked", "devices", "stage_failure", "closed", "ended",
-                 "solo")
+                 "solo", "done")
 
     def __init__(self, members: list, first_stage: str, solo: bool = False) -> None:
         self.members = members
@@ -53,6 +53,9 @@ class Group:
         self.closed = False           # its flow is over: what is still out is dropped
         self.ended = False            # closed with nothing out: its members' slots are free
         self.solo = solo              # a member's re-run alone (isolation)
+        # (stage, inputs, outputs) of its sub-requests that succeeded, for isolation's re-runs
+        # (``isolation.Memo``): references only, dropped with its inputs.
+        self.done: list = []
 
     def where(self) -> str:
         """The stage it waits on (its oldest sub-request out), else the one it is about to

@@ -69,6 +69,9 @@ FAMILIES: dict[str, tuple[str, str]] = {
     "bls_isolated_requests_total": (
         "COUNTER", "Requests re-run alone because their group failed with an error one request "
                    "may cause"),
+    "bls_isolation_reused_subrequests_total": (
+        "COUNTER", "Sub-requests a request re-run alone took from its group's answer instead of "
+                   "sending (isolation.Memo)"),
     "bls_inflight_subrequests": (
         "GAUGE", "Sub-requests sent to a sub-model and not yet answered, abandoned ones "
                  "included (at most subrequest_threads per instance)"),
@@ -116,7 +119,7 @@ def known_series(stages) -> list[tuple[str, dict[str, str]]]:
     per_stage = ("bls_stage_latency_seconds", "bls_subrequest_rows",
                  "bls_deadline_exceeded_total",
                  "bls_abandoned_subrequests_total", "bls_abandoned_subrequests_completed_total",
-                 "bls_cancelled_requests_total")
+                 "bls_cancelled_requests_total", "bls_isolation_reused_subrequests_total")
     series = [(family, {}) for family in ("bls_request_latency_seconds", "bls_inflight_requests",
                                           "bls_inflight_subrequests",
                                           "bls_detached_requests_total",

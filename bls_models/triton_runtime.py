@@ -34,7 +34,7 @@ from bls_models.deadline import Deadline
 from bls_models.definition import PipelineDef, Setup, registered
 from bls_models.errors import (Cancelled, DeadlineExceeded, InvalidInput, Kind, PipelineError,
                                SlotWaitExpired, internal_error)
-from bls_models.isolation import RESERVE_GROUPS, Budget, Exclusive, isolatable
+from bls_models.isolation import RESERVE_GROUPS, Budget, Exclusive, Memo, isolatable
 from bls_models.metrics import ADMISSION, FLUSH_SECONDS, HISTOGRAM_FLUSH_SECONDS, Metrics
 from bls_models.subrequests import SubRequests, shutting_down
 from bls_models.workers import Workers
@@ -99,6 +99,7 @@ class Orchestrator:
         stage_rows = repository.stage_max_batch(repositories, self.config.stages)
         self.setup = Setup(options=self.config.options, contracts=contracts,
                            max_rows={stage: max(rows, 1) for stage, rows in stage_rows.items()})
+        self.batching = frozenset(stage for stage, rows in stage_rows.items() if rows > 0)
         self.input_names = [t["name"] for t in config["input"]]
         self.output_dtypes = {t["name"]: _NUMPY[t["data_type"]] for t in config["output"]}
         self.first_stage = self.definition.stages[0].name
@@ -418,8 +419,11 @@ class Orchestrator:
         timeout_ms = self.config.stage(sub.stage).timeout_ms
         timer = (self.clock.at(time.monotonic() + timeout_ms / 1e3, self._stage_timed_out,
                                group, sub) if timeout_ms else None)
+        inputs = sub.inputs
         try:
             outputs, error = self.subrequests.send(group, sub)
+            if outputs is not None and sub.stage in self.batching:
+                group.done.append((sub.stage, inputs, outputs))  # for isolation's re-runs
         finally:
             with group.lock:
                 group.out.pop(sub, None)
@@ -512,7 +516,7 @@ class Orchestrator:
             live = group.live()
             if (live and isolatable(error, bug, group) and not self.subrequests.stopping
                     and (len(live) > 1 or getattr(error, "stage", ""))
-                    and self.budget.spend(len(live))):
+                    and self.budget.left()):
                 self._isolate(group, live, error)
                 return
             if group.stage_failure is not None and getattr(error, "kind", None) is Kind.INVALID:
@@ -534,6 +538,7 @@ class Orchestrator:
         if devices:
             self.backend.release_devices(devices)
         group.inputs = {}
+        group.done = []
 
     # -- isolation (a worker thread) ------------------------------------------------------------
     def _isolate(self, group, live: list[Job], error: PipelineError) -> None:
@@ -547,16 +552,41 @@ class Orchestrator:
                 for member in live:
                     self._deadline(member)
                 return
+            memo = Memo(group.done, self.batching)
+            group.done = []
             again = []
             for member in live:
-                outputs, failure = self._alone(member, group.detached)
+                if not self.budget.spend(1):  # spent meanwhile: by a stage rejecting every row
+                    self._answer(member, None, error)
+                    continue
+                # A group of one already failed in the sub-model's batch: straight to a batch
+                # of its own.
+                outputs, failure = self._alone(member, group.detached, memo,
+                                               own_batch=len(live) == 1)
                 if (failure is not None and failure.kind is Kind.INVALID and failure.stage
                         and len(live) > 1 and self.budget.spend(1)):
                     again.append(member)
                 else:
                     self._answer(member, outputs, failure)
             for member in again:
-                self._answer(member, *self._alone(member, group.detached))
+                self._answer(member, *self._alone(member, group.detached, memo, own_batch=True))
+
+    def _fill(self, sub) -> int | None:
+        """Pad ``sub`` to its stage model's ``max_batch_size`` rows by repeating its last row:
+        Triton's dynamic batcher adds no other request to a full batch, so its answer is its
+        rows' own. Returns its own row count, or None when nothing was padded (the stage does
+        not batch, the rows already fill a batch, or they stay on the GPU)."""
+        full = self.setup.max_rows.get(sub.stage, 1)
+        values = list(sub.inputs.values())
+        if (sub.stage not in self.batching or self.pass_through.get(sub.stage) or not values
+                or not all(isinstance(v, np.ndarray) and v.ndim >= 1 for v in values)):
+            return None
+        rows = len(values[0])
+        if rows == 0 or rows >= full:
+            return None
+        sub.inputs = {name: np.concatenate([value, np.repeat(value[-1:], full - rows, axis=0)])
+                      for name, value in sub.inputs.items()}
+        return rows
 
     def _answer(self, member: Job, outputs, failure) -> None:
         if outputs is None and failure is None:  # it was answered meanwhile
@@ -564,9 +594,11 @@ class Orchestrator:
         if self.answers.answer(member, outputs, failure) and failure is None:
             self.budget.earn(1)
 
-    def _alone(self, member: Job, detached: bool):
-        """``member`` run alone on this thread, its stages one after the other: (its rows'
-        outputs, None) or (None, its error)."""
+    def _alone(self, member: Job, detached: bool, memo: Memo | None = None,
+               own_batch: bool = False):
+        """``member`` run alone on this thread, its stages one after the other, each from
+        ``memo`` when its group already got it, and with ``own_batch`` in a sub-model batch of
+        its own (``_fill``): (its rows' outputs, None) or (None, its error)."""
         if member.answered:
             return None, None
         solo = groups.Group([member], self.first_stage, solo=True)
@@ -579,7 +611,17 @@ class Orchestrator:
                 if member.answered or (detached and not self._still_wanted(solo, sub.stage)):
                     run.close()
                     return None, None
-                sub.result, sub.error = self.subrequests.send(solo, sub)
+                known = None if memo is None else memo.outputs(sub.stage, sub.inputs,
+                                                               sub.outputs)
+                if known is not None:
+                    sub.result, sub.error = known, None
+                    self.metrics.increment("bls_isolation_reused_subrequests_total",
+                                           stage=sub.stage)
+                else:
+                    rows = self._fill(sub) if own_batch else None
+                    sub.result, sub.error = self.subrequests.send(solo, sub)
+                    if rows is not None and sub.result is not None:
+                        sub.result = {name: value[:rows] for name, value in sub.result.items()}
                 solo.devices += [v for v in (sub.result or {}).values()
                                  if isinstance(v, DeviceTensor)]
                 waiting += run.resume(sub)

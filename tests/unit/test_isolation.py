@@ -17,7 +17,7 @@ from bls_models.errors import InvalidInput
 from tests.unit.fake_pb_utils import FakePbUtils, Request, SubModelError
 from tests.unit.row_models import (ITEM_ERROR, POISON, STAGE_ERROR, DirectedRowModels, code_of,
                                    exact, image_of)
-from tests.unit.support import counted, orchestrator, wait_answered
+from tests.unit.support import committed_config, counted, orchestrator, wait_answered
 
 
 def answered_codes(requests) -> list[str]:
@@ -37,6 +37,27 @@ def test_a_poisoned_row_fails_alone_and_the_others_get_their_own_rows(made):
         if value != POISON:
             assert exact(request.answers[0], value)
     assert counted(pb, orch, "bls_isolated_requests_total") == 4
+
+
+def test_a_member_run_alone_sends_only_the_stage_that_failed(made):
+    """The group's preprocess and classifier answered every row: the members' re-runs take
+    their rows from those answers (found by content) and send only the embedder, the stage that
+    failed; the answers are still each row's own."""
+    pb = FakePbUtils(DirectedRowModels(poisoned_stages=("embedder",)).models())
+    made.append(orch := orchestrator(pb))
+    values = (20, POISON, 22, 23)
+    requests = [Request(image_of(v), request_id=f"r{v}") for v in values]
+    pb.execute(orch, requests)
+    assert answered_codes(requests) == ["SUCCESS", "INVALID_ARG", "SUCCESS", "SUCCESS"]
+    for request, value in zip(requests, values):
+        if value != POISON:
+            assert exact(request.answers[0], value)
+    sent = [model for model, _ in pb.calls]
+    assert sent.count("preprocess") == 1 and sent.count("classifier") == 1, sent
+    assert sent.count("embedder") == 1 + 4 + 1  # the group, each alone, the bad one again
+    reused = sum(counted(pb, orch, "bls_isolation_reused_subrequests_total", stage=stage)
+                 for stage in ("preprocess", "classifier"))
+    assert reused == 2 * 5
 
 
 def test_several_bad_rows_in_one_batch_each_fail_alone(made):
@@ -105,6 +126,35 @@ def test_a_request_alone_that_a_sub_model_rejects_once_is_tried_once_more(made):
     assert answered_codes([unlucky, bad]) == ["SUCCESS", "INVALID_ARG"]
     assert exact(unlucky.answers[0], 20)
     assert [rid for model, rid in pb.calls if model == "classifier"] == ["unlucky"] * 2 + ["bad"] * 2
+
+
+def test_the_last_try_alone_fills_a_batch_of_its_own(made):
+    """A member whose first re-run alone is rejected (put with another client's bad row by the
+    sub-model's batcher) is tried last in a batch Triton cannot add to: its rows repeated to the
+    stage model's committed max_batch_size. Its answer is its own row, once."""
+    rows_seen = []
+    rejected = {"r21": 2}  # its group, then its first run alone
+    models = DirectedRowModels().models()
+    classifier = models["classifier"]
+
+    def sometimes(inputs, request):
+        rows_seen.append((request.request_id, len(inputs["PIXELS"])))
+        for name, left in rejected.items():
+            if name in request.request_id and left:
+                rejected[name] = left - 1
+                raise SubModelError(ITEM_ERROR)
+        return classifier(inputs, request)
+
+    models["classifier"] = sometimes
+    pb = FakePbUtils(models)
+    made.append(orch := orchestrator(pb))
+    requests = [Request(image_of(v), request_id=f"r{v}") for v in (20, 21, 22)]
+    pb.execute(orch, requests)
+    assert answered_codes(requests) == ["SUCCESS"] * 3
+    assert all(exact(request.answers[0], v) for request, v in zip(requests, (20, 21, 22)))
+    full = orch.setup.max_rows["classifier"]
+    assert full == committed_config("classifier")["max_batch_size"] > 1
+    assert rows_seen == [("r20,r21,r22", 3), ("r20", 1), ("r21", 1), ("r22", 1), ("r21", full)]
 
 
 def test_the_budget_refills_under_single_request_traffic(made):
@@ -260,3 +310,33 @@ def test_an_isolation_that_cannot_start_before_the_deadline_blames_no_one(made):
     for request in requests:
         assert "deadline exceeded in stage 'embedder'" in request.answers[0].error().message()
     assert len([rid for model, rid in pb.calls if model == "embedder"]) == 1  # no re-run
+
+
+def test_a_burst_of_failed_groups_waiting_to_isolate_is_not_refused(made):
+    """Six full groups, each with one poisoned row, fail while another instance isolates (it
+    holds the lock): waiting reserves no budget, so all six are isolated in turn once the lock
+    is free, and every innocent row succeeds (a reserve of RESERVE_GROUPS groups, spent up front,
+    refused the fifth and sixth and told their innocents INVALID_ARG)."""
+    pb = FakePbUtils(DirectedRowModels(poisoned_stages=("embedder",)).models())
+    made.append(orch := orchestrator(pb))
+    rows = orch.group_rows
+    groups = 6
+    assert groups * rows > orch.budget.capacity
+    held = os.open(orch.exclusive.path, os.O_RDWR | os.O_CREAT, 0o600)
+    batches = []
+    try:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        for n in range(groups):
+            batch = [Request(image_of(POISON if i == 3 else 20 + i), request_id=f"{n}.{i}")
+                     for i in range(rows)]
+            pb.execute(orch, batch)
+            batches.append(batch)
+        until = time.monotonic() + 5
+        while (time.monotonic() < until
+               and counted(pb, orch, "bls_isolated_requests_total") < groups * rows):
+            time.sleep(0.01)
+    finally:
+        os.close(held)
+    for batch in batches:
+        codes = answered_codes(batch)
+        assert codes == ["INVALID_ARG" if i == 3 else "SUCCESS" for i in range(rows)], codes
