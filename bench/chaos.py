@@ -29,7 +29,8 @@ the client's number, what it is:
   ``default_timeout_microseconds``) whatever the request's deadline.
 
 Every request carries a unique id, its deadline as Triton's timeout, and a client-side limit of
-deadline + ``--grace-s`` (so nothing waits forever). Every ``--kill-every`` seconds (the first
+deadline + ``--grace-s`` (30 s: so nothing waits forever, and an answer that comes late is
+counted late, not lost — earlier runs with 5 s could not tell the two apart). Every ``--kill-every`` seconds (the first
 kill half an interval in) one stub that serves `pipeline`, then `tag_pipeline`, and so on, is
 SIGKILLed: never one the reloader retired. At 90 s that is 3.3 reloads per model in 10 minutes,
 inside the crash-loop guard of 5.
@@ -276,7 +277,7 @@ def process_memory(server_pid: int, retired: set[int]) -> dict[str, float]:
 # -- the run --------------------------------------------------------------------------------------
 async def run(server: launcher.TritonServer, supervisor: launcher.Supervisor, seconds: float,
               concurrency: int = 256, seed: int = 29, deadline_s: float = 10.0,
-              grace_s: float = 5.0, kill_every: float = 90.0, tag_share: float = 0.125,
+              grace_s: float = 30.0, kill_every: float = 90.0, tag_share: float = 0.125,
               http_share: float = 0.25, sample_every: float = 2.0, progress=print,
               outcomes: list[Outcome] | None = None) -> Chaos:
     """The chaos load against ``server`` (watched by ``supervisor``, already started) for
@@ -660,7 +661,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kill-every", type=float, help="seconds between stub kills (90)")
     parser.add_argument("--seed", type=int, default=29)
     parser.add_argument("--deadline-s", type=float, default=10.0, help="the normal deadline")
-    parser.add_argument("--grace-s", type=float, default=5.0,
+    parser.add_argument("--grace-s", type=float, default=30.0,
                         help="the client waits this long past a request's deadline")
     parser.add_argument("--tag-share", type=float, default=0.125,
                         help="share of the clients sending tag_pipeline requests")
