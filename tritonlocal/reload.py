@@ -269,11 +269,10 @@ class Reloader:
         that every instance of it has a new live stub."""
         state = self.state
         before = set(liveness_stubs(self.server_pid).get(model, []))
-        # A stub killed a moment ago may still be exiting: its argv (so its instance) is gone
-        # but it is no zombie yet. Left out, it would turn into a zombie of no known instance
-        # after the reload, which the supervisor restarts the whole server for.
-        dying = {stub.pid for stub in liveness.stubs_of(self.server_pid)
-                 if not stub.instance and stub.state != "Z"}
+        # A stub killed a moment ago may still be exiting (its argv, so its instance, is gone)
+        # or have become a zombie since the check. Left out, it is a zombie of no known
+        # instance after the reload, which the supervisor restarts the whole server for.
+        dying = {stub.pid for stub in liveness.stubs_of(self.server_pid) if not stub.instance}
         state.retired = sorted(set(state.retired) | before | set(report.zombies) | dying)
         state.reloading = sorted(set(state.reloading) | {model})
         self.publish()
