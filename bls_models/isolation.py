@@ -13,6 +13,8 @@ after a failure no row causes (the group's ``stage_failure``). Each re-run is pa
 ``Budget`` that every successful request refills: an innocent member's re-run pays for itself,
 a stage that fails every row drains it and is then not re-run (its groups answered with their
 error), and groups waiting for the lock reserve nothing, so a burst of them is not refused.
+Isolations run on a thread of their own per instance, at most ``BACKLOG_GROUPS`` failed groups
+waiting; beyond them a failed group's members hear UNAVAILABLE (``backlog_full``: retry).
 A member re-run alone sends only what the group did not already get: each row a stage model
 with a batch dimension answered for the group (a batching model answers a row from that row
 alone) is taken from the group's answer, found by the row's contents (``Memo``). So a re-run
@@ -32,11 +34,12 @@ from pathlib import Path
 
 import numpy as np
 
-from bls_models.errors import Kind, PipelineError
+from bls_models.errors import Code, Kind, PipelineError
 
 POLL_SECONDS = 0.002        # between attempts at the cross-instance lock
 EARNED_PER_SUCCESS = 1.0    # re-runs a successful request earns
 RESERVE_GROUPS = 4          # the budget's capacity, in full groups
+BACKLOG_GROUPS = 8          # failed groups that may wait for their isolation, per instance
 
 
 def isolatable(error: BaseException | None, bug: bool, group) -> bool:
@@ -44,6 +47,18 @@ def isolatable(error: BaseException | None, bug: bool, group) -> bool:
     if group.stage_failure is not None or group.solo:
         return False
     return bug or (isinstance(error, PipelineError) and error.kind is Kind.INVALID)
+
+
+def backlog_full(error: PipelineError, waiting: int) -> PipelineError:
+    """What the members of a failed group hear when ``waiting`` failed groups already wait to
+    be isolated: the server is behind, not their input (UNAVAILABLE: retry)."""
+    stage, model = getattr(error, "stage", ""), getattr(error, "model", "")
+    where = f"stage '{stage}' (model '{model}')" if stage else "the pipeline"
+    return PipelineError(
+        Code.UNAVAILABLE,
+        f"{where} failed on a batch in which one request may be bad, and {waiting} failed "
+        "batches already wait to be re-run request by request: retry", stage=stage,
+        model=model, kind=Kind.FAILED)
 
 
 class Budget:

@@ -34,7 +34,8 @@ from bls_models.deadline import Deadline
 from bls_models.definition import PipelineDef, Setup, registered
 from bls_models.errors import (Cancelled, DeadlineExceeded, InvalidInput, Kind, PipelineError,
                                SlotWaitExpired, internal_error)
-from bls_models.isolation import RESERVE_GROUPS, Budget, Exclusive, Memo, isolatable
+from bls_models.isolation import (BACKLOG_GROUPS, RESERVE_GROUPS, Budget, Exclusive, Memo,
+                                  backlog_full, isolatable)
 from bls_models.metrics import ADMISSION, FLUSH_SECONDS, HISTOGRAM_FLUSH_SECONDS, Metrics
 from bls_models.subrequests import SubRequests, shutting_down
 from bls_models.workers import Workers
@@ -144,6 +145,11 @@ class Orchestrator:
                         if copied else ""))
         # Last: every pb_utils call of initialize is made before a second thread exists.
         self.workers = Workers(self.config.subrequest_threads, f"{self.model}-worker", self.log)
+        # Isolations run one at a time anyway (``exclusive``): on a thread of their own, so a
+        # failed group waiting for its turn holds no worker, and at most BACKLOG_GROUPS wait.
+        self.isolator = Workers(1, f"{self.model}-isolation", self.log)
+        self.isolations = 0
+        self._isolations_lock = threading.Lock()
         self.clock = Clock(self.model, self.log)
         self.clock.at(time.monotonic() + FLUSH_SECONDS, self._flush_metrics, 0.0)
 
@@ -497,6 +503,7 @@ class Orchestrator:
         result, error = group.flow.result, group.flow.error
         group.flow = None
         bug = error is not None and not isinstance(error, PipelineError)
+        handed = False  # to the isolation thread, which frees and ends the group
         try:
             if bug:
                 self.log(f"group '{group.ids}' failed:\n"
@@ -517,8 +524,10 @@ class Orchestrator:
             if (live and isolatable(error, bug, group) and not self.subrequests.stopping
                     and (len(live) > 1 or getattr(error, "stage", ""))
                     and self.budget.left()):
-                self._isolate(group, live, error)
-                return
+                handed = self._queue_isolation(group, live, error)
+                if handed:
+                    return
+                error = backlog_full(error, BACKLOG_GROUPS)
             if group.stage_failure is not None and getattr(error, "kind", None) is Kind.INVALID:
                 error = group.stage_failure  # an innocent member was not the cause
             self._fail(group, internal_error(self.model) if bug else error)
@@ -527,8 +536,9 @@ class Orchestrator:
                      error=True)
             self._fail(group, internal_error(self.model))
         finally:
-            self._free(group)
-            self._end(group)
+            if not handed:
+                self._free(group)
+                self._end(group)
 
     def _fail(self, group, error: PipelineError) -> None:
         self.answers.answer_each(group.members, error=error)
@@ -540,7 +550,35 @@ class Orchestrator:
         group.inputs = {}
         group.done = []
 
-    # -- isolation (a worker thread) ------------------------------------------------------------
+    # -- isolation (its own thread) ---------------------------------------------------------------
+    def _queue_isolation(self, group, live: list[Job], error: PipelineError) -> bool:
+        """Hand ``group`` to the isolation thread, unless BACKLOG_GROUPS already wait there or
+        it is shut down: False."""
+        with self._isolations_lock:
+            if self.isolations >= BACKLOG_GROUPS:
+                return False
+            self.isolations += 1
+        try:
+            self.isolator.submit(self._isolated, group, live, error)
+        except Exception:  # noqa: BLE001 - shut down: the group is answered with its error
+            with self._isolations_lock:
+                self.isolations -= 1
+            return False
+        return True
+
+    def _isolated(self, group, live: list[Job], error: PipelineError) -> None:
+        try:
+            self._isolate(group, live, error)
+        except Exception:  # noqa: BLE001 - the last resort: every member is answered
+            self.log(f"isolating group '{group.ids}' failed:\n{traceback.format_exc()}",
+                     error=True)
+            self._fail(group, internal_error(self.model))
+        finally:
+            with self._isolations_lock:
+                self.isolations -= 1
+            self._free(group)
+            self._end(group)
+
     def _isolate(self, group, live: list[Job], error: PipelineError) -> None:
         """Run each live member alone, one after the other, with the other instances'
         isolations held off; a member of a larger group that fails alone with a sub-model's
@@ -678,7 +716,8 @@ class Orchestrator:
         finally:
             try:
                 self.clock.close(SHUTDOWN_THREADS_SECONDS)
-                stuck = self.workers.shutdown(SHUTDOWN_THREADS_SECONDS)
+                stuck = (self.workers.shutdown(SHUTDOWN_THREADS_SECONDS)
+                         + self.isolator.shutdown(SHUTDOWN_THREADS_SECONDS))
                 if stuck:
                     self.log(f"{stuck} thread(s) still wait on a sub-model at shutdown: left to "
                              "the process's exit; they make no pb_utils call", error=True)

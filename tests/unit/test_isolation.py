@@ -14,6 +14,7 @@ import numpy as np
 
 from bls_models import spec as S
 from bls_models.errors import InvalidInput
+from bls_models.isolation import BACKLOG_GROUPS
 from tests.unit.fake_pb_utils import FakePbUtils, Request, SubModelError
 from tests.unit.row_models import (ITEM_ERROR, POISON, STAGE_ERROR, DirectedRowModels, code_of,
                                    exact, image_of)
@@ -340,3 +341,33 @@ def test_a_burst_of_failed_groups_waiting_to_isolate_is_not_refused(made):
     for batch in batches:
         codes = answered_codes(batch)
         assert codes == ["INVALID_ARG" if i == 3 else "SUCCESS" for i in range(rows)], codes
+
+
+def test_failed_groups_beyond_the_backlog_are_told_to_retry_and_hold_no_worker(made):
+    """While another instance isolates (it holds the lock), failed groups wait on the isolation
+    thread, not on the workers: a good batch is answered meanwhile. Beyond BACKLOG_GROUPS
+    waiting, a failed group is answered at once UNAVAILABLE (retry), none INVALID_ARG; the ones
+    that waited are isolated once the lock is free."""
+    pb = FakePbUtils(DirectedRowModels(poisoned_stages=("embedder",)).models())
+    made.append(orch := orchestrator(pb))
+    waiting = BACKLOG_GROUPS
+    held = os.open(orch.exclusive.path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        batches = []
+        for n in range(waiting + 2):
+            batch = [Request(image_of(20), request_id=f"{n}.good"),
+                     Request(image_of(POISON), request_id=f"{n}.bad")]
+            pb.execute(orch, batch)
+            batches.append(batch)
+        shed = batches[waiting:]
+        assert [answered_codes(batch) for batch in shed] == [["UNAVAILABLE"] * 2] * 2
+        assert "retry" in shed[0][0].answers[0].error().message()
+        good = [Request(image_of(30 + i), request_id=f"g{i}") for i in range(2)]
+        pb.execute(orch, good)
+        assert answered_codes(good) == ["SUCCESS", "SUCCESS"]
+        assert all(not r.answers for batch in batches[:waiting] for r in batch)
+    finally:
+        os.close(held)
+    for batch in batches[:waiting]:
+        assert answered_codes(batch) == ["SUCCESS", "INVALID_ARG"]
