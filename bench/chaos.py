@@ -279,7 +279,7 @@ async def run(server: launcher.TritonServer, supervisor: launcher.Supervisor, se
               concurrency: int = 256, seed: int = 29, deadline_s: float = 10.0,
               grace_s: float = 30.0, kill_every: float = 90.0, tag_share: float = 0.125,
               http_share: float = 0.25, sample_every: float = 2.0, progress=print,
-              outcomes: list[Outcome] | None = None) -> Chaos:
+              outcomes: list[Outcome] | None = None, poison_mates: float = 0.5) -> Chaos:
     """The chaos load against ``server`` (watched by ``supervisor``, already started) for
     ``seconds``, then every request still in flight awaited, the last reload waited for, and
     the accounting done. Each request's outcome is appended to ``outcomes`` if given."""
@@ -323,7 +323,7 @@ async def run(server: launcher.TritonServer, supervisor: launcher.Supervisor, se
         # out innocents for the warm-up alone (ONNX Runtime's arenas grow on the first batches).
         await asyncio.sleep(RAMP_S * index / concurrency)
         while time.monotonic() < stop_at:
-            request = draw(rng, family, inputs, deadline_s, grace_s)
+            request = draw(rng, family, inputs, deadline_s, grace_s, poison_mates)
             request_id = f"chaos-{index}-{sequence}"
             sequence += 1
             chaos.sent += 1
@@ -666,6 +666,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tag-share", type=float, default=0.125,
                         help="share of the clients sending tag_pipeline requests")
     parser.add_argument("--http-share", type=float, default=0.25, help="share of HTTP clients")
+    parser.add_argument("--poison-mates", type=float, default=0.5,
+                        help="share of the good image requests sent to the poisoned model (0.5: "
+                             "poisoned images are ~5.6 %% of its requests; 0.1: 23 %%, 5x fewer)")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     parser.add_argument("--raw", type=Path, default=ROOT / "bench" / "results" / "raw",
                         help="where every request's outcome goes (git-ignored)")
@@ -695,7 +698,7 @@ def main(argv: list[str] | None = None) -> int:
                                         args.deadline_s, args.grace_s, kill_every,
                                         args.tag_share, args.http_share,
                                         progress=lambda line: print(line, flush=True),
-                                        outcomes=outcomes))
+                                        outcomes=outcomes, poison_mates=args.poison_mates))
             finally:
                 supervisor.stop()
     path = report(chaos, args.out, command.strip(), args.raw, outcomes)
