@@ -112,8 +112,8 @@ class Memo:
     def outputs(self, stage: str, inputs: dict, wanted) -> dict | None:
         """``wanted`` outputs for the rows of ``inputs`` to ``stage``, or None unless every row
         was answered for the group."""
-        if not self.rows or not inputs or not _host(inputs):
-            return None
+        if not self.rows or not inputs or not wanted or not _host(inputs):
+            return None  # (no output names asks for every output: not known here)
         names = sorted(inputs)
         found = []
         for row in range(len(inputs[names[0]])):

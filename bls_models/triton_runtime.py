@@ -627,7 +627,8 @@ class Orchestrator:
         return rows
 
     def _answer(self, member: Job, outputs, failure) -> None:
-        if outputs is None and failure is None:  # it was answered meanwhile
+        if outputs is None and failure is None:  # it was answered meanwhile: its re-run's
+            self.budget.earn(1)                  # token back (a deadline is no stage's fault)
             return
         if self.answers.answer(member, outputs, failure) and failure is None:
             self.budget.earn(1)

@@ -14,7 +14,7 @@ import numpy as np
 
 from bls_models import spec as S
 from bls_models.errors import InvalidInput
-from bls_models.isolation import BACKLOG_GROUPS
+from bls_models.isolation import BACKLOG_GROUPS, Memo
 from tests.unit.fake_pb_utils import FakePbUtils, Request, SubModelError
 from tests.unit.row_models import (ITEM_ERROR, POISON, STAGE_ERROR, DirectedRowModels, code_of,
                                    exact, image_of)
@@ -371,3 +371,35 @@ def test_failed_groups_beyond_the_backlog_are_told_to_retry_and_hold_no_worker(m
         os.close(held)
     for batch in batches[:waiting]:
         assert answered_codes(batch) == ["SUCCESS", "INVALID_ARG"]
+
+
+def test_members_whose_deadline_passes_during_isolation_give_their_token_back(made):
+    """A slow first re-run outlives the others' deadlines: they are answered UNAVAILABLE by the
+    clock and their re-runs never happen, so the budget gets their tokens back (a deadline is
+    no stage's fault; left spent, deadlines under load would drain it and innocent rows would
+    then hear the bad row's INVALID_ARG)."""
+    pb = FakePbUtils(DirectedRowModels(poisoned_stages=("embedder",)).models())
+    made.append(orch := orchestrator(pb))
+    full = orch.budget.tokens
+    requests = [Request(image_of(20), request_id="slow;embedder=600", timeout_us=5_000_000)]
+    requests += [Request(image_of(v), request_id=f"r{v}", timeout_us=900_000)
+                 for v in (POISON, 22, 23)]
+    pb.execute(orch, requests)
+    assert answered_codes(requests) == ["SUCCESS"] + ["UNAVAILABLE"] * 3
+    until = time.monotonic() + 5
+    while orch.isolations and time.monotonic() < until:
+        time.sleep(0.01)
+    assert orch.budget.tokens == full
+
+
+def test_the_memo_never_answers_a_sub_request_that_names_no_outputs():
+    """No output names asks a sub-model for every output: the group's answer may hold fewer."""
+    pixels = np.arange(2 * 4, dtype=np.float32).reshape(2, 4)
+    memo = Memo([("embedder", {"PIXELS": pixels}, {"EMBEDDING": pixels * 2})],
+                frozenset({"embedder"}))
+    row = {"PIXELS": pixels[1:]}
+    assert np.array_equal(memo.outputs("embedder", row, ["EMBEDDING"])["EMBEDDING"],
+                          pixels[1:] * 2)
+    assert memo.outputs("embedder", row, []) is None
+    assert memo.outputs("classifier", row, ["EMBEDDING"]) is None  # another stage
+    assert memo.outputs("embedder", {"PIXELS": pixels[:1] + 1}, ["EMBEDDING"]) is None
