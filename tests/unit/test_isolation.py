@@ -101,16 +101,16 @@ def test_the_per_request_check_runs_before_rows_are_stacked(made):
     assert counted(pb, orch, "bls_isolated_requests_total") == 0
 
 
-def test_a_request_alone_that_a_sub_model_rejects_once_is_tried_once_more(made):
-    """The sub-model's own batcher may have put a request with another client's bad row: a
-    request that fails alone with INVALID runs once more; a truly bad one fails the second
-    time too."""
-    rejected = {"unlucky": 1, "bad": 99}
-
+def rejecting_classifier(rejected: dict[str, int], seen: list | None = None) -> FakePbUtils:
+    """The row models, with a classifier that rejects (ONNX Runtime's INVALID_ARGUMENT) the
+    next ``rejected[name]`` sub-requests whose ids hold ``name``; ``seen`` collects each
+    sub-request's (ids, rows)."""
     models = DirectedRowModels().models()
     classifier = models["classifier"]
 
     def sometimes(inputs, request):
+        if seen is not None:
+            seen.append((request.request_id, len(inputs["PIXELS"])))
         for name, left in rejected.items():
             if name in request.request_id and left:
                 rejected[name] = left - 1
@@ -118,11 +118,19 @@ def test_a_request_alone_that_a_sub_model_rejects_once_is_tried_once_more(made):
         return classifier(inputs, request)
 
     models["classifier"] = sometimes
-    pb = FakePbUtils(models)
+    return FakePbUtils(models)
+
+
+def test_a_request_alone_that_a_sub_model_rejects_once_is_tried_once_more(made):
+    """The sub-model's own batcher may have put a request with another client's bad row: a
+    request that fails alone with INVALID runs once more; a truly bad one fails the second
+    time too."""
+    pb = rejecting_classifier({"unlucky": 1, "bad": 99})
     made.append(orch := orchestrator(pb))
     unlucky, bad = Request(image_of(20), request_id="unlucky"), Request(image_of(21),
                                                                          request_id="bad")
     pb.execute(orch, [unlucky])
+    wait_answered([unlucky])  # its re-run is on the isolation thread: not beside bad's calls
     pb.execute(orch, [bad])
     assert answered_codes([unlucky, bad]) == ["SUCCESS", "INVALID_ARG"]
     assert exact(unlucky.answers[0], 20)
@@ -134,20 +142,7 @@ def test_the_last_try_alone_fills_a_batch_of_its_own(made):
     sub-model's batcher) is tried last in a batch Triton cannot add to: its rows repeated to the
     stage model's committed max_batch_size. Its answer is its own row, once."""
     rows_seen = []
-    rejected = {"r21": 2}  # its group, then its first run alone
-    models = DirectedRowModels().models()
-    classifier = models["classifier"]
-
-    def sometimes(inputs, request):
-        rows_seen.append((request.request_id, len(inputs["PIXELS"])))
-        for name, left in rejected.items():
-            if name in request.request_id and left:
-                rejected[name] = left - 1
-                raise SubModelError(ITEM_ERROR)
-        return classifier(inputs, request)
-
-    models["classifier"] = sometimes
-    pb = FakePbUtils(models)
+    pb = rejecting_classifier({"r21": 2}, rows_seen)  # its group, then its first run alone
     made.append(orch := orchestrator(pb))
     requests = [Request(image_of(v), request_id=f"r{v}") for v in (20, 21, 22)]
     pb.execute(orch, requests)
