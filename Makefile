@@ -140,6 +140,7 @@ docker-run: ## Serve in the container on GPUs (BLS_PROFILE, SHM_SIZE, PUBLISH_HO
 	docker run --rm -it --gpus $(GPUS) --shm-size=$(SHM_SIZE) --security-opt=no-new-privileges \
 	    -p $(PUBLISH_HOST):8000:8000 -p $(PUBLISH_HOST):8001:8001 -p $(PUBLISH_HOST):8002:8002 \
 	    -e BLS_PROFILE=$(BLS_PROFILE) -v $(CACHE_VOLUME):/var/cache/bls \
+	    -e TRITONLOCAL_ADMIN_HEADER -e TRITONLOCAL_OPEN_APIS \
 	    $(if $(REPOSITORY_MOUNT),-v $(abspath $(REPOSITORY_MOUNT)):/opt/bls/model_repository:ro) $(IMAGE)
 
 test-container: ## Run the test suite inside the test image against its own server (GPU host)

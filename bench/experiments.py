@@ -20,7 +20,7 @@ from bench.perf import Point
 from bls_models import pipelines
 from bls_models import spec as S
 from modelgen import export, nets, variants
-from tritonlocal import load
+from tritonlocal import flags, load
 
 SHM_OUTPUT_BYTES = 4 * 512 * 14041 + 1024  # one tagger output (28.7 MB) for perf_analyzer's shm
 LONG_DEADLINE_PIPELINE = "pipeline_deadline_120s"
@@ -440,11 +440,15 @@ def large_output(ctx: Context) -> Result:
     url_grpc, url_http = ctx.server.grpc_url, ctx.server.http_url
     # Token 0 is valid (random INT64 would not be); TOKENS is [-1]: 512-token documents.
     zero = ["--input-data", "zero", "--shape", f"TOKENS:{S.TAGGER_SEQ_LEN}"]
-    shm = ["--shared-memory", "system", "--output-shared-memory-size", str(SHM_OUTPUT_BYTES)]
+    # Registering regions is an admin API: the credential goes along, over HTTP, as perf_analyzer
+    # 2.51 sends no headers over gRPC (reports print it redacted: perf.Run.command_line).
+    credential = flags.header_line(next(iter(ctx.server.admin_headers.items())))
+    shm = ["--shared-memory", "system", "--output-shared-memory-size", str(SHM_OUTPUT_BYTES),
+           "-H", credential]
     cases = [
         ("`tagger` over HTTP", "tagger", url_http, "http", zero),
         ("`tagger` over gRPC", "tagger", url_grpc, "grpc", zero),
-        ("`tagger` over gRPC + system shared memory", "tagger", url_grpc, "grpc", zero + shm),
+        ("`tagger` over HTTP + system shared memory", "tagger", url_http, "http", zero + shm),
         ("`tagger_tags` (the reduction in the ONNX graph), gRPC", "tagger_tags", url_grpc, "grpc",
          zero),
         ("`tag_pipeline` over `tagger_tags` (committed), gRPC", "tag_pipeline", url_grpc, "grpc",

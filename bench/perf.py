@@ -14,6 +14,8 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tritonlocal.flags import REDACTED
+
 PERF_ANALYZER = Path(sys.executable).parent / "perf_analyzer"
 
 
@@ -66,7 +68,11 @@ class Run:
 
     @property
     def command_line(self) -> str:
-        return shlex.join(["perf_analyzer", *self.command[1:]])
+        """The command as reports print it: the value of every ``-H`` header (the admin
+        credential) redacted."""
+        shown = [f"{arg.split(':', 1)[0]}: {REDACTED}" if before == "-H" else arg
+                 for before, arg in zip(["", *self.command], self.command)]
+        return shlex.join(["perf_analyzer", *shown[1:]])
 
 
 def run(model: str, url: str, concurrency: list[int], settings: Settings, *,

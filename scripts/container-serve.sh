@@ -12,17 +12,22 @@
 #                          header's value redacted), exit
 #   BLS_RUN_DIR=DIR        where this container renders its repository (default $TMPDIR or /tmp)
 #   BLS_RELOAD=1           run the reload watcher beside the server (the default; 0: none)
-#   TRITONLOCAL_ADMIN_HEADER=NAME=VALUE  restrict every admin API to this header
+#   TRITONLOCAL_ADMIN_HEADER=NAME=VALUE  the admin credential (at least 32 characters of value;
+#                          on Kubernetes, from a Secret). Without it, one is made here and
+#                          written to $BLS_ADMIN_FILE (default $BLS_RUN_DIR/triton-admin.header,
+#                          mode 0600): `docker exec ... cat` it, or `curl -H @FILE` inside.
+#   TRITONLOCAL_OPEN_APIS=API,...  admin APIs open to every client (model-repository,
+#                          shared-memory, logging, trace); a warning line each
 #
-# The server loads every model at start in explicit model control mode. Beside it runs
-# `python3 -m tritonlocal.reload`: when a python-backend stub dies (Triton never restarts one) it
-# reloads that model alone through the repository API, and the probes (python3 -m
-# tritonlocal.liveness [--ready]) read what it is doing (docs/operations.md). The repository API
-# answers only the admin header or, without one, a random token made here for the watcher.
-# tritonserver gets that header on its argv, the only place r24.10 takes it (readable in
-# /proc/<pid>/cmdline: docs/operations.md, "Who may reload"), and the watcher in its own
-# environment; it is never in tritonserver's environment, which every python-backend stub
-# inherits.
+# Every admin API (model repository, shared memory, logging, trace) answers only the admin
+# credential, over HTTP and gRPC. The server loads every model at start in explicit model control
+# mode. Beside it runs `python3 -m tritonlocal.reload`: when a python-backend stub dies (Triton
+# never restarts one) it reloads that model alone through the repository API, and the probes
+# (python3 -m tritonlocal.liveness [--ready]) read what it is doing (docs/operations.md).
+# tritonserver gets the credential on its argv, the only place r24.10 takes it (readable in
+# /proc/<pid>/cmdline: docs/operations.md, "Who may call the admin APIs"), and the watcher in its
+# own environment; it is never in tritonserver's environment, which every python-backend stub
+# inherits, and never printed.
 #
 # Each start renders the profile into a directory of its own (repository-<profile>.XXXXXX under
 # $BLS_RUN_DIR): $BLS_CACHE may be a volume several containers share (engines are worth sharing),
@@ -38,13 +43,13 @@ profile="${BLS_PROFILE:-gpu}"
 source_repo="${BLS_MODEL_REPOSITORY:-$home/model_repository}"
 dry_run="${BLS_DRY_RUN:-0}"
 run_dir="${BLS_RUN_DIR:-${TMPDIR:-/tmp}}"
-# The repository API's header, taken out of this shell's environment before anything is started:
+# The admin credential, taken out of this shell's environment before anything is started:
 # tritonserver would inherit it, and every python-backend stub (any model's code) from it. Only
 # the two processes that need it get it, each in its own environment: the flags printer and the
 # watcher.
 admin_header="${TRITONLOCAL_ADMIN_HEADER:-}"
-token="${TRITONLOCAL_RELOAD_TOKEN:-}"
-unset TRITONLOCAL_ADMIN_HEADER TRITONLOCAL_RELOAD_TOKEN
+unset TRITONLOCAL_ADMIN_HEADER
+admin_file="${BLS_ADMIN_FILE:-$run_dir/triton-admin.header}"
 
 case "$profile" in
   portable)
@@ -69,11 +74,16 @@ if [ "${1:-}" = --print-repository ]; then
   echo "$repo"
   exit 0
 fi
-if [ -z "$admin_header" ] && [ -z "$token" ]; then
-  token="$(python3 -c 'from tritonlocal import flags; print("=".join(flags.new_token()))')"
+if [ -z "$admin_header" ]; then
+  # Printed to stdout only for this shell to capture; the file is its user's alone.
+  admin_header="$(python3 -m tritonlocal.flags --new-credential "$admin_file")"
+  echo "admin credential: generated, in $admin_file (readable by uid $(id -u) only)" >&2
 fi
-mapfile -t flags < <(TRITONLOCAL_ADMIN_HEADER="$admin_header" TRITONLOCAL_RELOAD_TOKEN="$token" \
-                     python3 -m tritonlocal.flags --model-repository "$repo")
+# The flags printer refuses a malformed or short credential (exit 2, one line why), which ends
+# this script here: set -e does not see a process substitution's status, so it is checked.
+flags_out="$(TRITONLOCAL_ADMIN_HEADER="$admin_header" python3 -m tritonlocal.flags --model-repository "$repo")"
+mapfile -t flags <<<"$flags_out"
+unset flags_out
 watcher=(python3 -m tritonlocal.reload --url localhost:8000)
 if [ "$dry_run" = 1 ]; then
   if [ "${BLS_RELOAD:-1}" = 1 ]; then echo "beside it: ${watcher[*]}" >&2; fi
@@ -83,6 +93,6 @@ if [ "$dry_run" = 1 ]; then
 fi
 if [ "${BLS_RELOAD:-1}" = 1 ]; then
   # Started before exec, so it outlives this shell; it waits for the server and follows it.
-  TRITONLOCAL_ADMIN_HEADER="$admin_header" TRITONLOCAL_RELOAD_TOKEN="$token" "${watcher[@]}" &
+  TRITONLOCAL_ADMIN_HEADER="$admin_header" "${watcher[@]}" &
 fi
 exec tritonserver "${flags[@]}" "$@"

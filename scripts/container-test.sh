@@ -23,10 +23,15 @@ target.mkdir(parents=True)
 experiments.build_test_repository(target, real)
 PY
 
-mapfile -t flags < <(python3 -m tritonlocal.flags --model-repository "$repo")
+# The admin APIs restricted as container-serve.sh restricts them, to a credential of this run's
+# (no test here calls them: the tests of who may call what run on the launcher's servers).
+flags_out="$(TRITONLOCAL_ADMIN_HEADER="$(python3 -m tritonlocal.flags --new-credential "$work/admin.header")" \
+             python3 -m tritonlocal.flags --model-repository "$repo")"
+mapfile -t flags <<<"$flags_out"
+unset flags_out
 # Its own session (process group = its pid): the memory tests find its stubs by group. Without
-# an admin header or token in its environment, which its stubs would inherit.
-env -u TRITONLOCAL_ADMIN_HEADER -u TRITONLOCAL_RELOAD_TOKEN \
+# an admin header in its environment, which its stubs would inherit.
+env -u TRITONLOCAL_ADMIN_HEADER \
   setsid tritonserver "${flags[@]}" --model-repository="$fault" >"$work/tritonserver.log" 2>&1 &
 server=$!
 cleanup() { kill -INT "$server" 2>/dev/null || true; wait "$server" 2>/dev/null || true; }

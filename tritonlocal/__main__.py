@@ -12,6 +12,11 @@ A supervisor checks the server every ``--check-interval`` seconds: when a python
 dies it reloads that model alone while the others keep serving (``tritonlocal.reload``), and it
 restarts the whole server if it exits or stops answering (``tritonlocal.liveness``);
 ``--no-supervise`` turns that off (the server's exit then ends the command with status 1).
+
+Every admin API (model repository, shared memory, logging, trace) answers only the admin
+credential: ``--admin-header`` (``$TRITONLOCAL_ADMIN_HEADER``) or, without one, a random one
+written to ``--credential-file`` (mode 0600; ``curl -H @FILE`` sends it), which the banner names.
+``--open-api API`` opens one to every client, with a warning line.
 """
 
 from __future__ import annotations
@@ -24,9 +29,9 @@ import sys
 import threading
 from pathlib import Path
 
-from tritonlocal import backend_build, gpu
-from tritonlocal.launcher import (ServerOptions, Supervisor, TritonServer, profile_repository,
-                                  tail_to)
+from tritonlocal import backend_build, flags, gpu
+from tritonlocal.launcher import (RESTRICTED_APIS, ServerOptions, Supervisor, TritonServer,
+                                  profile_repository, tail_to)
 from tritonlocal.runtime import LauncherError
 
 EXAMPLE_MODEL = "pipeline"
@@ -54,6 +59,7 @@ def banner(server: TritonServer) -> str:
         f"  gRPC     {server.grpc_url}",
         f"  metrics  {server.metrics_url}",
         f"  log      {server.log_file}",
+        f"  admin    {admin_line(server)}",
         f"  ONNX     {backend_build.summary(server.onnxruntime_backend)}"
         if server.onnxruntime_backend else "  ONNX     (no ONNX model in the repository)",
         "",
@@ -63,6 +69,16 @@ def banner(server: TritonServer) -> str:
         "Press Ctrl-C to stop.",
         "",
     ])
+
+
+def admin_line(server: TritonServer) -> str:
+    """Where the admin credential is, and what it opens (never the credential itself)."""
+    closed = [api for api in RESTRICTED_APIS if api not in server.options.open_apis]
+    where = (f"header in {server.credential_file} (curl -H @{server.credential_file} ...)"
+             if server.credential_file else "your --admin-header")
+    if not closed:
+        return "every admin API is open (--open-api)"
+    return f"{', '.join(closed)} APIs: {where}"
 
 
 def admin_header(spec: str | None) -> tuple[str, str] | None:
@@ -101,12 +117,21 @@ def serve(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace, repository: Path, on_gpu: bool) -> int:
+    try:
+        open_apis = flags.parse_open_apis(args.open_api)
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    for line in flags.open_api_warnings(open_apis):
+        print(line, flush=True)
     options = ServerOptions(
         model_repository=repository, host=args.host, gpu=on_gpu,
         http_port=args.http_port, grpc_port=args.grpc_port, metrics_port=args.metrics_port,
         log_file=Path(args.log_file or f".triton/tritonserver-{args.http_port}.log"),
         ready_timeout=args.ready_timeout, log_verbose=args.log_verbose,
         admin_header=admin_header(args.admin_header),
+        credential_file=Path(args.credential_file or f".triton/admin-{args.http_port}.header"),
+        open_apis=open_apis,
         extra_args=args.tritonserver_args,
     )
     server = TritonServer(options)
@@ -166,9 +191,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quiet", action="store_true", help="do not echo the server log")
     p.add_argument("--admin-header", default=os.environ.get("TRITONLOCAL_ADMIN_HEADER"),
                    metavar="NAME=VALUE",
-                   help="answer the model-repository, shared-memory, logging and trace APIs only "
-                   "for requests with this header (default: $TRITONLOCAL_ADMIN_HEADER; the value "
-                   "is visible in the server's command line to local users)")
+                   help="the admin credential: the model-repository, shared-memory, logging and "
+                   "trace APIs answer only requests with this header (default: "
+                   "$TRITONLOCAL_ADMIN_HEADER, else a random one written to --credential-file; "
+                   "the value is visible in the server's command line to local users)")
+    p.add_argument("--credential-file", metavar="FILE",
+                   help="where a generated credential is written, mode 0600, removed at exit "
+                        "(default: .triton/admin-<http-port>.header)")
+    p.add_argument("--open-api", action="append", metavar="API", choices=RESTRICTED_APIS,
+                   default=[a for a in os.environ.get(flags.OPEN_APIS_VARIABLE, "").split(",")
+                            if a.strip()],
+                   help="open one admin API to every client, without the credential (repeat "
+                        f"for more; default ${flags.OPEN_APIS_VARIABLE}, comma-separated); "
+                        "each prints a warning")
     p.add_argument("--no-supervise", dest="supervise", action="store_false",
                    help="do not reload a model whose python stub died, nor restart the server "
                         "when it exits")

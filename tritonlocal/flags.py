@@ -1,15 +1,15 @@
 """The tritonserver flags this repository is served with, locally (the launcher) and in the NGC
 container (``scripts/container-serve.sh``): one list, so both places serve it the same way.
 
-    python3 -m tritonlocal.flags                       # the container's flags, one per line
-    python3 -m tritonlocal.flags --model-repository /models
+    TRITONLOCAL_ADMIN_HEADER=NAME=VALUE python3 -m tritonlocal.flags   # the container's flags
+    python3 -m tritonlocal.flags --new-credential FILE   # a credential, to FILE (0600) and stdout
     printf '%s\0' tritonserver ARG... | python3 -m tritonlocal.flags --redact-command
 
-The repository API's header (an admin header, or the supervisor's token) reaches tritonserver on
-its command line: r24.10 takes it nowhere else. ``redact`` and ``redact_text`` are what every
-printed or logged command line and log excerpt goes through, and ``SECRET_VARIABLES`` are kept
-out of tritonserver's environment, which every python-backend stub inherits (docs/operations.md,
-"Who may reload").
+Every admin API (RESTRICTED_APIS) answers only the admin credential, unless an operator opens it.
+The credential reaches tritonserver on its command line: r24.10 takes it nowhere else. ``redact``
+and ``redact_text`` are what every printed or logged command line and log excerpt goes through,
+and ``SECRET_VARIABLES`` are kept out of tritonserver's environment, which every python-backend
+stub inherits (docs/operations.md, "Who may call the admin APIs").
 
 Standard library only: it runs inside the container before anything else is known to work.
 """
@@ -21,6 +21,7 @@ import os
 import re
 import secrets
 import sys
+from pathlib import Path
 
 MIB = 2**20
 # The python backend's shared-memory region per stub: start and growth step. Regions never
@@ -43,21 +44,30 @@ CONTAINER_REPOSITORY = "/opt/bls/model_repository"
 # cuda_memory_manager.cc), so ids past the host's last GPU are ignored.
 CUDA_MEMORY_POOL_BYTES = 256 * MIB
 CUDA_POOL_GPUS = 8
-# The APIs an admin header restricts: everything that changes what the server serves or reads
-# (model load/unload, registering shared-memory regions) or what it logs and traces. Health,
-# metadata, inference, model config and statistics stay open.
+# The admin APIs: everything that changes what the server serves or reads (model load/unload,
+# registering shared-memory regions) or what it logs and traces. Each answers only requests that
+# carry the admin credential, unless an operator opens it (OPEN_APIS_VARIABLE). Health,
+# metadata, inference, model config, statistics and metrics need nothing.
 RESTRICTED_APIS = ("model-repository", "shared-memory", "logging", "trace")
-# Without an admin header of the operator's, the repository API (which explicit model control
-# opens, for the supervisor's reloads) answers only a random token of this name, made for each
-# server: nothing is open that model control mode "none" kept closed. The supervisor holds it, and
-# tritonserver gets it on its argv, which r24.10's --http-restricted-api and
-# --grpc-restricted-protocol are the only way to give it: any local user who can read that
-# process's /proc/<pid>/cmdline can read it too (docs/operations.md, "Who may reload"). It is in
-# no log, no printed command line, and not in the environment of tritonserver or its stubs.
-TOKEN_HEADER = "triton-reload-token"
-# Where an operator's admin header, or a token chosen for the container, is handed in. Never
-# passed on to tritonserver: its python-backend stubs (any model's code) inherit its environment.
-SECRET_VARIABLES = ("TRITONLOCAL_ADMIN_HEADER", "TRITONLOCAL_RELOAD_TOKEN")
+# The admin credential: one header, the operator's (TRITONLOCAL_ADMIN_HEADER, --admin-header) or,
+# without one, ADMIN_HEADER with a random value made at start and written to a file only its user
+# can read (write_credential). tritonserver gets it on its argv, which r24.10's
+# --http-restricted-api and --grpc-restricted-protocol are the only way to give it: any local
+# user who can read that process's /proc/<pid>/cmdline can read it too (docs/operations.md, "Who
+# may call the admin APIs"). It is in no log, no printed command line, and not in the environment
+# of tritonserver or its stubs. Over gRPC, r24.10 expects the header's name with the prefix
+# GRPC_PREFIX.
+ADMIN_HEADER = "triton-admin-key"
+GRPC_PREFIX = "triton-grpc-protocol-"
+# An operator's credential shorter than this is refused: a placeholder (the Kubernetes Secret's
+# template) or a guessable word. Generated ones are 64 hex digits.
+MIN_CREDENTIAL_CHARS = 32
+# Where an operator's admin header is handed in. Never passed on to tritonserver: its
+# python-backend stubs (any model's code) inherit its environment.
+SECRET_VARIABLES = ("TRITONLOCAL_ADMIN_HEADER",)
+# The APIs an operator opens to every client, comma-separated (``python -m tritonlocal serve
+# --open-api``, the container's environment). Each prints open_api_warnings at start.
+OPEN_APIS_VARIABLE = "TRITONLOCAL_OPEN_APIS"
 # The flags whose value carries a header's value (``<apis>:<name>=<value>``), and what is printed
 # instead of that value.
 RESTRICTION_FLAGS = ("--http-restricted-api", "--grpc-restricted-protocol")
@@ -85,23 +95,82 @@ def serving_flags(shm_default_bytes: int = SHM_DEFAULT_BYTES,
     ]
 
 
-def new_token() -> tuple[str, str]:
-    """A header only this server's supervisor knows: (TOKEN_HEADER, 32 random hex digits)."""
-    return TOKEN_HEADER, secrets.token_hex(16)
+def new_credential() -> tuple[str, str]:
+    """A fresh admin credential: (ADMIN_HEADER, 64 random hex digits)."""
+    return ADMIN_HEADER, secrets.token_hex(32)
 
 
 def parse_header(spec: str) -> tuple[str, str]:
-    """``NAME=VALUE`` -> (name, value), checked as restriction_flags needs it."""
+    """``NAME=VALUE`` -> (name, value), checked as an operator's credential (check_credential)."""
     name, _, value = spec.partition("=")
-    check_header((name, value))
+    check_credential((name, value))
     return name, value
 
 
 def check_header(header: tuple[str, str]) -> None:
+    """``header`` fits a restriction rule (``<apis>:<name>=<value>``)."""
     name, value = header
     if not re.fullmatch(r"[A-Za-z0-9-]+", name) or not value or any(c in value for c in ",:= "):
         raise ValueError("the admin header needs a name of letters, digits and '-' and a "
                          "non-empty value without ',', ':', '=' or spaces")
+
+
+def check_credential(header: tuple[str, str]) -> None:
+    """check_header, and a value of at least MIN_CREDENTIAL_CHARS characters."""
+    check_header(header)
+    if len(header[1]) < MIN_CREDENTIAL_CHARS:
+        raise ValueError(f"the admin header's value has {len(header[1])} characters; at least "
+                         f"{MIN_CREDENTIAL_CHARS} are needed (generate one: python3 -c 'import "
+                         "secrets; print(secrets.token_hex(32))')")
+
+
+def parse_open_apis(spec: str | list[str] | None) -> tuple[str, ...]:
+    """``"logging,trace"`` (or a list of names) -> the RESTRICTED_APIS named, in their order."""
+    names = spec.split(",") if isinstance(spec, str) else list(spec or [])
+    names = {name.strip() for name in names if name.strip()}
+    unknown = sorted(names - set(RESTRICTED_APIS))
+    if unknown:
+        raise ValueError(f"unknown admin API(s) to open: {', '.join(unknown)} (the admin APIs: "
+                         f"{', '.join(RESTRICTED_APIS)})")
+    return tuple(api for api in RESTRICTED_APIS if api in names)
+
+
+def open_api_warnings(open_apis: tuple[str, ...]) -> list[str]:
+    """One warning line per admin API an operator opened, for the start of the output."""
+    return [f"warning: the {api} API is open: every client that reaches the HTTP or gRPC port "
+            f"may call it without the admin credential ({OPEN_APIS_VARIABLE} / --open-api)"
+            for api in open_apis]
+
+
+def header_line(header: tuple[str, str]) -> str:
+    """``header`` as one HTTP header line (``curl -H @FILE`` reads a file of these)."""
+    return f"{header[0]}: {header[1]}"
+
+
+def write_credential(path: Path, header: tuple[str, str]) -> None:
+    """Write ``header`` to ``path`` (header_line), readable and writable by its user alone: made
+    beside it with mode 0600, then renamed over it."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    try:
+        os.fchmod(descriptor, 0o600)  # whatever the umask, and if the name existed
+        os.write(descriptor, f"{header_line(header)}\n".encode())
+    finally:
+        os.close(descriptor)
+    os.replace(temporary, path)
+
+
+def read_credential(path: Path) -> tuple[str, str]:
+    """The header a credential file holds (write_credential's format, or ``NAME=VALUE``)."""
+    text = Path(path).read_text().strip()
+    name, separator, value = text.partition(":") if ":" in text else text.partition("=")
+    if not separator:
+        raise ValueError(f"{path} holds no header (NAME: VALUE)")
+    header = name.strip(), value.strip()
+    check_header(header)
+    return header
 
 
 def restriction_flags(header: tuple[str, str], apis: tuple[str, ...] = RESTRICTED_APIS) -> list[str]:
@@ -113,14 +182,11 @@ def restriction_flags(header: tuple[str, str], apis: tuple[str, ...] = RESTRICTE
     return [f"--http-restricted-api={rule}", f"--grpc-restricted-protocol={rule}"]
 
 
-def admin_restrictions(admin_header: tuple[str, str] | None,
-                       token: tuple[str, str]) -> list[str]:
-    """The operator's admin header restricts every RESTRICTED_APIS; without one, the repository
-    API alone is restricted to ``token`` (the supervisor's) and the others stay as Triton has
-    them."""
-    if admin_header is not None:
-        return restriction_flags(admin_header)
-    return restriction_flags(token, ("model-repository",))
+def admin_restrictions(credential: tuple[str, str],
+                       open_apis: tuple[str, ...] = ()) -> list[str]:
+    """Every RESTRICTED_APIS but ``open_apis`` answers only requests carrying ``credential``."""
+    apis = tuple(api for api in RESTRICTED_APIS if api not in open_apis)
+    return restriction_flags(credential, apis) if apis else []
 
 
 def _is_restriction_flag(name: str) -> bool:
@@ -172,15 +238,16 @@ def redact_text(text: str, *values: str) -> str:
     return text
 
 
-def container_flags(model_repository: str = CONTAINER_REPOSITORY,
-                    admin_header: tuple[str, str] | None = None,
-                    token: tuple[str, str] | None = None) -> list[str]:
+def container_flags(credential: tuple[str, str],
+                    model_repository: str = CONTAINER_REPOSITORY,
+                    open_apis: tuple[str, ...] = ()) -> list[str]:
     """The NGC container's server: all interfaces inside the container (publish the ports to
     127.0.0.1 on the host unless told otherwise), GPU metrics on, a CUDA memory pool per GPU
-    sized for the GPU profiles, the repository API restricted (admin_restrictions; the entry
-    script hands the same header to the container's reload watcher)."""
+    sized for the GPU profiles, every admin API but ``open_apis`` restricted to ``credential``
+    (admin_restrictions; the entry script hands the same header to the container's reload
+    watcher)."""
     return [f"--model-repository={model_repository}", *serving_flags(),
-            *admin_restrictions(admin_header, token or new_token()),
+            *admin_restrictions(credential, open_apis),
             "--http-port=8000", "--grpc-port=8001", "--metrics-port=8002",
             "--allow-metrics=true", "--allow-gpu-metrics=true", "--allow-cpu-metrics=true",
             *cuda_pool_flags()]
@@ -196,17 +263,19 @@ def cuda_pool_flags() -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python3 -m tritonlocal.flags",
                                      description="Print the container's tritonserver flags, the "
-                                                 "restriction header's value included: for the "
-                                                 "entry script to pass on, not to show.")
+                                                 "admin credential included: for the entry script "
+                                                 "to pass on, not to show.")
     parser.add_argument("--model-repository", default=CONTAINER_REPOSITORY)
     parser.add_argument("--admin-header", metavar="NAME=VALUE",
                         default=os.environ.get("TRITONLOCAL_ADMIN_HEADER") or None,
-                        help="restrict every admin API to this header (default "
-                             "$TRITONLOCAL_ADMIN_HEADER)")
-    parser.add_argument("--token", metavar="NAME=VALUE",
-                        default=os.environ.get("TRITONLOCAL_RELOAD_TOKEN") or None,
-                        help="without an admin header, the header the repository API answers "
-                             "(default $TRITONLOCAL_RELOAD_TOKEN, else a random one)")
+                        help="the admin credential (default $TRITONLOCAL_ADMIN_HEADER); needed")
+    parser.add_argument("--open-apis", metavar="API,...",
+                        default=os.environ.get(OPEN_APIS_VARIABLE, ""),
+                        help=f"admin APIs open to every client (default ${OPEN_APIS_VARIABLE}; "
+                             f"of {', '.join(RESTRICTED_APIS)}); a warning line each, on stderr")
+    parser.add_argument("--new-credential", metavar="FILE", type=Path,
+                        help="instead: make a credential, write it to FILE (mode 0600) and print "
+                             "it as NAME=VALUE for the entry script to capture")
     parser.add_argument("--redact-command", action="store_true",
                         help="instead: read a command line from stdin, its arguments each ended "
                              "by a NUL byte, and print it on one line with every restriction "
@@ -216,12 +285,21 @@ def main(argv: list[str] | None = None) -> int:
         command = sys.stdin.buffer.read().decode().split("\0")
         print(" ".join(redact(command[:-1] if command[-1] == "" else command)))
         return 0
+    if args.new_credential is not None:
+        credential = new_credential()
+        write_credential(args.new_credential, credential)
+        print("=".join(credential))
+        return 0
     try:
-        admin = parse_header(args.admin_header) if args.admin_header else None
-        token = parse_header(args.token) if args.token else None
+        if not args.admin_header:
+            raise ValueError("no admin credential: set TRITONLOCAL_ADMIN_HEADER=NAME=VALUE")
+        credential = parse_header(args.admin_header)
+        open_apis = parse_open_apis(args.open_apis)
     except ValueError as error:
         parser.error(str(error))
-    print("\n".join(container_flags(args.model_repository, admin, token)))
+    for line in open_api_warnings(open_apis):
+        print(line, file=sys.stderr)
+    print("\n".join(container_flags(credential, args.model_repository, open_apis)))
     return 0
 
 

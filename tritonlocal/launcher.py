@@ -15,12 +15,13 @@ restarts one, and keeps reporting ready: ``tritonlocal.liveness``) it reloads th
 through the repository API (``tritonlocal.reload``), while the other models keep serving; it
 restarts the whole server only when the server exits, stops answering, or a reload fails.
 
-The server runs in explicit model control mode with every model loaded at start. Its repository
-API answers only the admin header (``ServerOptions.admin_header``) or, without one, a random token
-made for each server process (``TritonServer.repository_headers``). Either reaches tritonserver on
-its argv alone (r24.10 takes it nowhere else; ``tritonlocal.flags``): never in its environment,
-which its stubs inherit, and redacted wherever the launcher logs or prints the command line or
-the log's tail.
+The server runs in explicit model control mode with every model loaded at start. Every admin API
+(model repository, shared memory, logging, trace) answers only the admin credential, unless
+``ServerOptions.open_apis`` opens it: the operator's header (``ServerOptions.admin_header``) or,
+without one, a random one made for each ``TritonServer`` and written to a file only its user can
+read (``TritonServer.credential_file``). It reaches tritonserver on its argv alone (r24.10 takes
+it nowhere else; ``tritonlocal.flags``): never in its environment, which its stubs inherit, and
+redacted wherever the launcher logs or prints the command line or the log's tail.
 """
 
 from __future__ import annotations
@@ -46,7 +47,8 @@ from tritonlocal.runtime import LauncherError
 
 SHM = Path("/dev/shm")
 SHM_PREFIX = "tritonlocal_"  # + launcher pid + "_" + run id + "_" + Triton's UUID
-RESTRICTED_APIS = flags.RESTRICTED_APIS  # what an ``admin_header`` restricts (tritonlocal.flags)
+RESTRICTED_APIS = flags.RESTRICTED_APIS  # what the admin credential opens (tritonlocal.flags)
+CREDENTIAL_FILE = "admin.header"  # a generated credential's file, in the run directory by default
 _PR_SET_PDEATHSIG = 1
 # PR_SET_PDEATHSIG fires when the *thread* that forked the child exits, not the process. Servers
 # are therefore spawned from this one long-lived thread: a server started from a short-lived
@@ -73,10 +75,16 @@ class ServerOptions:
     shm_growth_bytes: int = flags.SHM_GROWTH_BYTES
     python_thread_pool: int = flags.PYTHON_THREAD_POOL
     # (header name, value): the RESTRICTED_APIS answer only requests that carry this header, over
-    # HTTP and gRPC (Triton's --http-restricted-api / --grpc-restricted-protocol). None: the
-    # repository API answers only a random token of this launcher's; the others are open. Left
-    # out of repr: options get printed.
+    # HTTP and gRPC (Triton's --http-restricted-api / --grpc-restricted-protocol). None: a random
+    # one (flags.new_credential), written to ``credential_file``. Left out of repr: options get
+    # printed.
     admin_header: tuple[str, str] | None = field(default=None, repr=False)
+    # Where a generated credential is written (mode 0600, removed at stop); None: the run
+    # directory (a private temporary directory).
+    credential_file: Path | None = None
+    # RESTRICTED_APIS opened to every client, each an operator's explicit choice (a warning line
+    # at start: flags.open_api_warnings).
+    open_apis: tuple[str, ...] = ()
     extra_args: list[str] = field(default_factory=list)
     # Triton's onnxruntime backend (libtriton_onnxruntime.so and its libonnxruntime.so.1), as
     # `make backend` builds it; None: the last build in the cache (backend_build.installed()).
@@ -98,11 +106,12 @@ def on_free_ports(repository: Path, log_file: Path | None = None, **options) -> 
                          log_file=log_file, **options)
 
 
-def restriction_args(header: tuple[str, str] | None, token: tuple[str, str]) -> list[str]:
-    """tritonserver flags that restrict RESTRICTED_APIS to requests carrying ``header`` or, with
-    no header, the repository API to ``token`` (tritonlocal.flags.admin_restrictions)."""
+def restriction_args(credential: tuple[str, str], open_apis: tuple[str, ...] = ()) -> list[str]:
+    """tritonserver flags that restrict RESTRICTED_APIS but ``open_apis`` to requests carrying
+    ``credential`` (tritonlocal.flags.admin_restrictions)."""
     try:
-        return flags.admin_restrictions(header, token)
+        flags.check_header(credential)
+        return flags.admin_restrictions(credential, flags.parse_open_apis(list(open_apis)))
     except ValueError as error:
         raise LauncherError(str(error)) from None
 
@@ -146,7 +155,9 @@ class TritonServer:
         self.log_file: Path | None = None
         self.onnxruntime_backend: Path | None = None  # the build this server loaded, if any
         self._expected: tuple[int, dict[str, list[str]]] | None = None  # (server pid, instances)
-        self.token = flags.new_token()  # the repository API's header without an admin header
+        # The admin credential: the operator's, else one made here, kept across restarts.
+        self.credential = options.admin_header or flags.new_credential()
+        self.credential_file: Path | None = None  # where a generated credential was written
 
     # -- URLs -----------------------------------------------------------------------------
     @property
@@ -174,8 +185,12 @@ class TritonServer:
         repository = Path(opts.model_repository).resolve()
         if not repository.is_dir():
             raise LauncherError(f"model repository {repository} does not exist")
-        self.token = flags.new_token()  # a new one for every server process
-        restrictions = restriction_args(opts.admin_header, self.token)
+        if opts.admin_header is not None:
+            try:
+                flags.check_credential(opts.admin_header)
+            except ValueError as error:
+                raise LauncherError(str(error)) from None
+        restrictions = restriction_args(self.credential, opts.open_apis)
         install = runtime.find_installation()
         env = runtime.server_environment(install, opts.python)
         if opts.gpu:
@@ -201,20 +216,23 @@ class TritonServer:
         self.log_file = Path(opts.log_file) if opts.log_file else self._run_dir / "tritonserver.log"
         self.log_file.parent.mkdir(parents=True, exist_ok=True)
         command = self.command(install.server, repository, backends, restrictions)
-        with open(self.log_file, "ab") as log:
-            # The log is echoed to the terminal and kept: the command line without the header.
-            log.write(f"# {' '.join(flags.redact(command))}\n".encode())
-            log.flush()
-            self.process = _SPAWNER.submit(
-                subprocess.Popen, command, env=env, stdin=subprocess.DEVNULL, stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,  # own process group: stop() can reach every stub
-                preexec_fn=_die_with_parent,
-            ).result()
         try:
+            if opts.admin_header is None:
+                path = opts.credential_file or self._run_dir / CREDENTIAL_FILE
+                self._write_credential(Path(path))
+            with open(self.log_file, "ab") as log:
+                # The log is echoed to the terminal and kept: the command line without the header.
+                log.write(f"# {' '.join(flags.redact(command))}\n".encode())
+                log.flush()
+                self.process = _SPAWNER.submit(
+                    subprocess.Popen, command, env=env, stdin=subprocess.DEVNULL, stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,  # own process group: stop() can reach every stub
+                    preexec_fn=_die_with_parent,
+                ).result()
             self._wait_ready(repository)
         except BaseException:
-            self.stop()
+            self.stop()  # the credential file and the run directory too
             raise
 
     def command(self, server: Path, repository: Path, backends: Path,
@@ -261,6 +279,9 @@ class TritonServer:
             _wait_group_gone(process.pid, timeout=10.0)
             for region in shm_regions(self._shm_prefix):
                 region.unlink(missing_ok=True)
+        if self.credential_file is not None:
+            self.credential_file.unlink(missing_ok=True)  # it opens nothing any more
+            self.credential_file = None
         if self._run_dir is not None:
             backends = self._run_dir / "backends"
             shutil.rmtree(backends, ignore_errors=True)
@@ -278,9 +299,9 @@ class TritonServer:
         return sorted(group_stubs(self.process.pid).get(model, []))
 
     @property
-    def repository_headers(self) -> dict[str, str]:
-        """The HTTP header the repository API answers (the admin header, else the token)."""
-        return dict([self.options.admin_header or self.token])
+    def admin_headers(self) -> dict[str, str]:
+        """The HTTP header the admin APIs answer (over gRPC: ``flags.GRPC_PREFIX`` + its name)."""
+        return dict([self.credential])
 
     def liveness(self, timeout: float = 5.0, retired: set[int] | None = None) -> liveness.Report:
         """Is the server live with every stub running? (``tritonlocal.liveness.check``)
@@ -289,7 +310,7 @@ class TritonServer:
         only the supervisor's reloads load models, and they keep every config as it was."""
         if self.process is None:
             raise LauncherError("the server is not running")
-        headers = dict([self.options.admin_header]) if self.options.admin_header else None
+        headers = self.admin_headers  # what it reads is open; it opens what an operator closed
         pid = self.process.pid
         if self._expected is None or self._expected[0] != pid:
             try:
@@ -307,14 +328,27 @@ class TritonServer:
         if self.log_file is None or not self.log_file.exists():
             return ""
         tail = "\n".join(self.log_file.read_text(errors="replace").splitlines()[-lines:])
-        return flags.redact_text(tail, *(header[1] for header in (self.options.admin_header,
-                                                                   self.token) if header))
+        return flags.redact_text(tail, self.credential[1])
 
     def metadata(self) -> dict:
         with urllib.request.urlopen(f"http://{self.http_url}/v2", timeout=5) as response:
             return json.load(response)
 
     # -- internals ------------------------------------------------------------------------
+    def _write_credential(self, path: Path) -> None:
+        """The generated credential to ``path`` (mode 0600). A file there that is not one of
+        ours (a header of flags.ADMIN_HEADER) is the user's: refused, never overwritten."""
+        if path.exists() or path.is_symlink():
+            try:
+                ours = flags.read_credential(path)[0] == flags.ADMIN_HEADER and path.is_file()
+            except (OSError, UnicodeDecodeError, ValueError):
+                ours = False
+            if not ours:
+                raise LauncherError(f"{path} exists and is not an admin credential file; not "
+                                    "overwritten (choose another --credential-file)")
+        flags.write_credential(path, self.credential)
+        self.credential_file = path
+
     def _onnxruntime_backend(self, models: list) -> Path | None:
         """The built onnxruntime backend, or None if no model needs it; refuses to start
         without it rather than serve ONNX models with anything else."""
@@ -421,7 +455,7 @@ class Supervisor:
         self.log = log
         self.events: list[tuple[float, str]] = []
         self.restarts: list[float] = []
-        self.reloader = reload.Reloader(server.http_url, server.repository_headers, interval,
+        self.reloader = reload.Reloader(server.http_url, server.admin_headers, interval,
                                         max_reloads, window, retire_grace, state_dir, log=log)
         self._unresponsive = 0
         self._stop = threading.Event()
@@ -437,7 +471,7 @@ class Supervisor:
             return f"tritonserver is not running (exit code {code})"
         reloader = self.reloader
         reloader.attach(process.pid)  # publishes the state: fresh at every check
-        reloader.headers = self.server.repository_headers  # a new token per server process
+        reloader.headers = self.server.admin_headers
         reloader.kill_due()
         report = self.server.liveness(retired=reloader.retired)
         if not report.live:

@@ -278,8 +278,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stub-backend", action="append", default=[],
                         help="a backend whose models run in python stubs, besides 'python' "
                              "(e.g. a python-based backend); repeatable")
-    parser.add_argument("--header", action="append", default=[], metavar="NAME=VALUE",
-                        help="an HTTP header to send (if statistics or model config are restricted)")
+    parser.add_argument("--header", action="append", metavar="NAME=VALUE",
+                        help="an HTTP header to send, repeatable (default: the admin credential "
+                             "in $TRITONLOCAL_ADMIN_HEADER, if set: what the probes read is open, "
+                             "but an operator may close statistics or model config)")
     parser.add_argument("--timeout", type=float, default=5.0, help="seconds per HTTP call")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.add_argument("--ready", action="store_true",
@@ -288,7 +290,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--state-dir", help="where the reloader publishes its state (default "
                                             "$TRITONLOCAL_STATE_DIR or the temporary directory)")
     args = parser.parse_args(argv)
-    headers = dict(h.split("=", 1) for h in args.header if "=" in h)
+    given = args.header if args.header is not None else [os.environ.get(
+        "TRITONLOCAL_ADMIN_HEADER", "")]
+    headers = dict(h.split("=", 1) for h in given if "=" in h)
     from tritonlocal import reload  # noqa: PLC0415 - reload imports this module
 
     try:

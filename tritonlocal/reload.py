@@ -371,10 +371,10 @@ def main(argv: list[str] | None = None) -> int:
         description="Watch the tritonserver of this PID namespace and reload, through its "
                     "repository API, any model whose python-backend stub died.")
     parser.add_argument("--url", default=os.environ.get("TRITON_HTTP_URL", "localhost:8000"))
-    parser.add_argument("--header", default=os.environ.get("TRITONLOCAL_ADMIN_HEADER")
-                        or os.environ.get("TRITONLOCAL_RELOAD_TOKEN"), metavar="NAME=VALUE",
-                        help="the header the repository API answers (default "
-                             "$TRITONLOCAL_ADMIN_HEADER, else $TRITONLOCAL_RELOAD_TOKEN)")
+    parser.add_argument("--header", default=os.environ.get("TRITONLOCAL_ADMIN_HEADER"),
+                        metavar="NAME=VALUE",
+                        help="the admin credential, which the repository API answers (default "
+                             "$TRITONLOCAL_ADMIN_HEADER)")
     parser.add_argument("--server-pid", type=int,
                         help="the tritonserver to watch (default: the only one in this PID "
                              "namespace, whichever it is at each check)")
@@ -387,7 +387,7 @@ def main(argv: list[str] | None = None) -> int:
                              "their model allows (its max_deadline_ms; default 5)")
     args = parser.parse_args(argv)
     if not args.header or "=" not in args.header:
-        parser.error("the repository API's header is needed (--header NAME=VALUE)")
+        parser.error("the admin credential is needed (--header NAME=VALUE)")
     name, value = args.header.split("=", 1)
     reloader = Reloader(args.url, {name: value}, args.interval, args.max_reloads, args.window,
                         args.retire_grace, log=lambda line: print(line, file=sys.stderr, flush=True))

@@ -265,7 +265,7 @@ def test_the_containers_watcher_reloads_a_model_whose_stub_died(fresh):
     """`python3 -m tritonlocal.reload`, the process scripts/container-serve.sh starts beside the
     container's tritonserver, against a real server: it reloads the model, the probes follow,
     and it stops cleanly on SIGTERM, removing its state."""
-    (name, value), = fresh.repository_headers.items()
+    (name, value), = fresh.admin_headers.items()
     watcher = subprocess.Popen(
         [sys.executable, "-m", "tritonlocal.reload", "--url", fresh.http_url, "--server-pid",
          str(fresh.process.pid), "--header", f"{name}={value}", "--retire-grace", "1"],

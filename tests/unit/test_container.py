@@ -19,7 +19,8 @@ from modelgen import configs, profiles
 from tritonlocal import flags
 
 ROOT = Path(__file__).resolve().parents[2]
-TOKEN_SPEC = "triton-reload-token=t0ken"  # the dry runs' token, so their commands are known
+# The dry runs' credential, so their commands are known.
+TOKEN_SPEC = "triton-admin-key=t0ken" + "0" * 32
 DOCKERFILE = (ROOT / "Dockerfile").read_text()
 IMAGE = "nvcr.io/nvidia/tritonserver:24.10-py3"
 KIND = model_config_pb2.ModelInstanceGroup.Kind
@@ -80,7 +81,8 @@ def test_the_server_image_has_a_readiness_health_check_and_the_served_ports():
     health = [i for i in server if i.startswith("HEALTHCHECK")]
     assert health and "/v2/health/ready" in health[0]
     exposed = {int(p) for i in server if i.startswith("EXPOSE") for p in i.split()[1:]}
-    ports = {int(f.split("=")[1]) for f in flags.container_flags() if f.split("=")[0].endswith("-port")}
+    ports = {int(f.split("=")[1]) for f in flags.container_flags(flags.new_credential())
+             if f.split("=")[0].endswith("-port")}
     assert exposed == ports == {8000, 8001, 8002}
     assert any("container-serve.sh" in i for i in server if i.startswith("ENTRYPOINT"))
 
@@ -96,7 +98,8 @@ def test_every_copy_source_exists_and_no_secret_is_baked_in():
 
 
 def entry_script(profile: str, cache: Path, run_dir: Path, repository: Path,
-                 *args: str, env: dict[str, str | None] | None = None) -> subprocess.CompletedProcess:
+                 *args: str, env: dict[str, str | None] | None = None,
+                 ok: bool = True) -> subprocess.CompletedProcess:
     """``scripts/container-serve.sh`` in dry-run mode, the venv's interpreter standing in for the
     image's python3."""
     python_dir = Path(sys.executable).parent
@@ -104,12 +107,12 @@ def entry_script(profile: str, cache: Path, run_dir: Path, repository: Path,
         pytest.skip("no python3 beside the test interpreter")
     env = {**os.environ, "BLS_HOME": str(ROOT), "BLS_CACHE": str(cache), "BLS_PROFILE": profile,
            "BLS_DRY_RUN": "1", "BLS_MODEL_REPOSITORY": str(repository), "BLS_RUN_DIR": str(run_dir),
-           "PATH": f"{python_dir}:{os.environ['PATH']}", "TRITONLOCAL_RELOAD_TOKEN": TOKEN_SPEC,
-           "TRITONLOCAL_ADMIN_HEADER": None, **(env or {})}
+           "PATH": f"{python_dir}:{os.environ['PATH']}", "TRITONLOCAL_ADMIN_HEADER": TOKEN_SPEC,
+           "TRITONLOCAL_OPEN_APIS": None, **(env or {})}
     env = {k: v for k, v in env.items() if v is not None}
     done = subprocess.run(["bash", str(ROOT / "scripts/container-serve.sh"), *args],
                           env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.returncode == (0 if ok else 2), done.stdout + done.stderr
     return done
 
 
@@ -119,31 +122,62 @@ def restricted(command: list[str]) -> dict[str, str]:
             if f.startswith(("--http-restricted-api=", "--grpc-restricted-protocol="))}
 
 
-@pytest.mark.parametrize("admin", [None, "triton-admin-key=s3cret"])
-def test_the_container_restricts_the_repository_api_its_explicit_mode_opens(tmp_path, repository,
-                                                                          admin):
-    """Explicit model control opens load/unload: without the operator's admin header, only a
-    token made at each start (and handed to the reload watcher) opens them. The dry run prints
-    the command without the header's value."""
-    env = {"TRITONLOCAL_RELOAD_TOKEN": None, "TRITONLOCAL_ADMIN_HEADER": admin}
+ALL_APIS = ",".join(flags.RESTRICTED_APIS)
+
+
+@pytest.mark.parametrize("admin", [None, "triton-admin-key=s3cret" + "x" * 32])
+def test_the_container_restricts_every_admin_api(tmp_path, repository, admin):
+    """Every admin API answers only the operator's credential or, without one, a credential made
+    at start, written to a file only its user can read, and handed to the reload watcher. The
+    dry run prints the command without the credential's value."""
+    env = {"TRITONLOCAL_ADMIN_HEADER": admin, "BLS_ADMIN_FILE": str(tmp_path / "admin.header")}
     run = entry_script("portable", tmp_path / "cache", tmp_path / "run", repository, env=env)
     command = run.stdout.strip().splitlines()[-1].split()
     assert "--model-control-mode=explicit" in command and "--load-model=*" in command
     rule = restricted(command)
     assert set(rule) == {"--http-restricted-api", "--grpc-restricted-protocol"}
-    assert len(set(rule.values())) == 1
+    assert set(rule.values()) == {f"{ALL_APIS}:triton-admin-key={flags.REDACTED}"}
     if admin is None:
-        assert rule["--http-restricted-api"] == f"model-repository:triton-reload-token={flags.REDACTED}"
+        written = tmp_path / "admin.header"
+        assert written.stat().st_mode & 0o777 == 0o600
+        name, value = flags.read_credential(written)
+        assert name == flags.ADMIN_HEADER and re.fullmatch(r"[0-9a-f]{64}", value)
+        assert value not in run.stdout + run.stderr
+        assert f"in {written}" in run.stderr
     else:
-        assert rule["--http-restricted-api"] == (f"{','.join(flags.RESTRICTED_APIS)}:"
-                                                 f"triton-admin-key={flags.REDACTED}")
+        assert not (tmp_path / "admin.header").exists()
         assert "s3cret" not in run.stdout + run.stderr
 
 
-def test_a_token_is_new_at_every_start():
-    rules = [restricted(flags.container_flags())["--http-restricted-api"] for _ in range(2)]
-    assert all(re.fullmatch(r"model-repository:triton-reload-token=[0-9a-f]{32}", r) for r in rules)
-    assert rules[0] != rules[1], "the same token twice"
+def test_an_opened_api_is_left_out_of_the_rules_with_a_warning(tmp_path, repository):
+    env = {"TRITONLOCAL_OPEN_APIS": "logging,trace"}
+    run = entry_script("portable", tmp_path / "cache", tmp_path / "run", repository, env=env)
+    rule = restricted(run.stdout.strip().splitlines()[-1].split())
+    assert set(rule.values()) == {f"model-repository,shared-memory:triton-admin-key={flags.REDACTED}"}
+    warned = [line for line in run.stderr.splitlines() if line.startswith("warning:")]
+    assert len(warned) == 2 and "logging API is open" in warned[0] and "trace" in warned[1]
+
+
+@pytest.mark.parametrize("admin,why", [("triton-admin-key=REPLACE-ME", "at least 32"),
+                                       ("no-equals-sign" + "x" * 40, "needs a name"),
+                                       (None, "unknown admin API")])
+def test_the_entry_script_refuses_a_bad_credential_or_api_name(tmp_path, repository, admin, why):
+    """The Kubernetes Secret's placeholder, a value with no name, or a misspelt API to open: the
+    container does not start, and says why in one line."""
+    env = {"TRITONLOCAL_ADMIN_HEADER": admin, "TRITONLOCAL_OPEN_APIS": "loging" if admin is None
+           else None}
+    run = entry_script("portable", tmp_path / "cache", tmp_path / "run", repository, env=env,
+                       ok=False)
+    assert why in run.stderr and "tritonserver" not in run.stdout
+    assert "REPLACE-ME" not in run.stdout + run.stderr
+
+
+def test_a_credential_is_new_at_every_start(tmp_path):
+    made = [flags.main(["--new-credential", str(tmp_path / f"c{i}")]) for i in range(2)]
+    assert made == [0, 0]
+    values = [flags.read_credential(tmp_path / f"c{i}")[1] for i in range(2)]
+    assert all(re.fullmatch(r"[0-9a-f]{64}", v) for v in values)
+    assert values[0] != values[1], "the same credential twice"
 
 
 FAKE_PYTHON = """#!/bin/sh
@@ -159,7 +193,8 @@ env > "$FAKE_OUT/server.env"; printf '%s\\n' "$@" > "$FAKE_OUT/server.argv"
 
 
 # ids: pytest puts the test's id in the environment (PYTEST_CURRENT_TEST), the value must not be.
-@pytest.mark.parametrize("admin", [None, "triton-admin-key=s3cretXYZ"], ids=["token", "admin"])
+@pytest.mark.parametrize("admin", [None, "triton-admin-key=s3cretXYZ" + "0" * 32],
+                         ids=["generated", "admin"])
 def test_the_header_reaches_tritonserver_on_its_argv_and_the_watcher_alone_in_its_environment(
         tmp_path, repository, admin):
     """A real start, with stand-ins for tritonserver and the watcher: the header is in the
@@ -173,24 +208,22 @@ def test_the_header_reaches_tritonserver_on_its_argv_and_the_watcher_alone_in_it
         (fake / name).chmod(0o755)
     out = tmp_path / "out"
     out.mkdir()
-    env = {"BLS_DRY_RUN": "0", "FAKE_OUT": str(out), "TRITONLOCAL_RELOAD_TOKEN": None,
-           "TRITONLOCAL_ADMIN_HEADER": admin,
+    env = {"BLS_DRY_RUN": "0", "FAKE_OUT": str(out), "TRITONLOCAL_ADMIN_HEADER": admin,
            "PATH": f"{fake}:{Path(sys.executable).parent}:{os.environ['PATH']}"}
     run = entry_script("portable", tmp_path / "cache", tmp_path / "run", repository, env=env)
     argv = (out / "server.argv").read_text().splitlines()
     header = restricted(argv)["--http-restricted-api"].split(":", 1)[1]
     if admin is None:
-        assert re.fullmatch(r"triton-reload-token=[0-9a-f]{32}", header), header
+        assert re.fullmatch(r"triton-admin-key=[0-9a-f]{64}", header), header
     else:
         assert header == admin
     value = header.split("=", 1)[1]
     server_env = (out / "server.env").read_text()
     assert value not in server_env
-    assert not re.search(r"(?m)^TRITONLOCAL_(ADMIN_HEADER|RELOAD_TOKEN)=", server_env)
+    assert not re.search(r"(?m)^TRITONLOCAL_ADMIN_HEADER=", server_env)
     watcher_env = dict(line.split("=", 1) for line in
                        (out / "watcher.env").read_text().splitlines() if "=" in line)
-    assert header in (watcher_env.get("TRITONLOCAL_ADMIN_HEADER"),
-                      watcher_env.get("TRITONLOCAL_RELOAD_TOKEN"))
+    assert watcher_env.get("TRITONLOCAL_ADMIN_HEADER") == header
     assert value not in run.stdout + run.stderr
 
 
@@ -211,8 +244,8 @@ def test_the_entry_script_dry_run_renders_the_profile_and_the_command(profile, t
         assert re.fullmatch(rf"repository-{profile}\.\w{{6}}", served.name), served.name
         assert (served / "pipeline" / "config.pbtxt").is_file()
     assert command[0] == "tritonserver" and command[-1] == "--log-verbose=1"
-    assert command[1:-1] == flags.redact(flags.container_flags(str(served),
-                                                              token=flags.parse_header(TOKEN_SPEC)))
+    assert command[1:-1] == flags.redact(flags.container_flags(flags.parse_header(TOKEN_SPEC),
+                                                              str(served)))
     assert "t0ken" not in done.stdout + done.stderr
     assert "beside it: python3 -m tritonlocal.reload" in done.stderr
     if profile == "gpu-trt":
@@ -279,6 +312,16 @@ def test_docker_run_and_test_container_use_separate_cache_volumes():
               for target in ("docker-run", "test-container")}
     assert mounts == {"docker-run": ["CACHE_VOLUME"], "test-container": ["TEST_CACHE_VOLUME"]}
     assert variables["CACHE_VOLUME"] != variables["TEST_CACHE_VOLUME"]
+
+
+def test_docker_run_passes_the_admin_settings_by_name_only():
+    """``-e NAME`` takes the host's value if set and puts no value on docker's command line (which
+    every local user can read); nothing else of the recipe may carry a credential."""
+    makefile = (ROOT / "Makefile").read_text()
+    recipe = re.search(r"(?ms)^docker-run:[^\n]*\n((?:\t[^\n]*\n)+)", makefile).group(1)
+    passed = re.findall(r"-e (TRITONLOCAL_\w+)(=?)", recipe)
+    assert sorted(passed) == [("TRITONLOCAL_ADMIN_HEADER", ""), ("TRITONLOCAL_OPEN_APIS", "")]
+    assert flags.ADMIN_HEADER not in recipe and "restricted" not in recipe
 
 
 def test_the_container_test_script_is_valid_bash():

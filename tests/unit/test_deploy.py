@@ -70,7 +70,7 @@ def test_ports_and_probes_are_the_servers():
     c = container()
     ports = {p["name"]: p["containerPort"] for p in c["ports"]}
     served = {f.split("=")[0].removeprefix("--").removesuffix("-port"): int(f.split("=")[1])
-              for f in flags.container_flags() if f.split("=")[0].endswith("-port")}
+              for f in flags.container_flags(flags.new_credential()) if f.split("=")[0].endswith("-port")}
     assert ports == served
     assert c["startupProbe"]["httpGet"] == {"path": "/v2/health/ready", "port": "http"}
     service = documents()["Service"]

@@ -135,7 +135,7 @@ def test_a_gpu_server_refuses_to_start_without_the_gpu_build(tmp_path, monkeypat
 
 
 def test_the_container_and_the_local_gpu_server_share_the_cuda_pool_flags():
-    assert set(flags.cuda_pool_flags()) <= set(flags.container_flags())
+    assert set(flags.cuda_pool_flags()) <= set(flags.container_flags(flags.new_credential()))
     assert len(flags.cuda_pool_flags()) == flags.CUDA_POOL_GPUS
 
 

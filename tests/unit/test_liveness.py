@@ -35,3 +35,26 @@ def test_a_report_is_ok_only_if_live_with_no_dead_or_missing_stub():
     assert missing.dead_models == ["classifier"]
     zombie = Report(server_pid=1, live=True, zombies=[42])
     assert not zombie.ok and "42" in zombie.summary()
+
+
+def test_the_probe_sends_the_admin_credential_from_its_environment(monkeypatch, capsys):
+    """The Kubernetes probes run with the container's environment, the Secret's variable in it;
+    ``--header`` replaces it."""
+    from tritonlocal import liveness
+
+    sent = []
+
+    def check(url, pid, backends, timeout, headers, **kwargs):
+        sent.append(headers)
+        return Report(server_pid=pid, live=True)
+
+    monkeypatch.setattr(liveness, "check", check)
+    monkeypatch.setattr(liveness, "the_server", lambda: 4242)
+    monkeypatch.setenv("TRITONLOCAL_STATE_DIR", "/nonexistent-state-dir")
+    monkeypatch.setenv("TRITONLOCAL_ADMIN_HEADER", "triton-admin-key=" + "a" * 64)
+    assert liveness.main([]) == liveness.ALIVE
+    assert liveness.main(["--header", "x-other=1"]) == liveness.ALIVE
+    monkeypatch.delenv("TRITONLOCAL_ADMIN_HEADER")
+    assert liveness.main([]) == liveness.ALIVE
+    assert sent == [{"triton-admin-key": "a" * 64}, {"x-other": "1"}, {}]
+    assert "a" * 64 not in capsys.readouterr().out

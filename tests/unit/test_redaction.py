@@ -1,4 +1,4 @@
-"""The repository API's header stays secret: tritonserver gets it on its argv only (r24.10 takes
+"""The admin credential stays secret: tritonserver gets it on its argv only (r24.10 takes
 it nowhere else), every command line or log excerpt shown goes through ``flags.redact`` /
 ``flags.redact_text``, and tritonserver's environment (which every stub inherits) never holds
 it. The live checks, against real servers, are in tests/live/test_security.py."""
@@ -9,21 +9,22 @@ from pathlib import Path
 
 import pytest
 
-from tritonlocal import ServerOptions, TritonServer, flags, runtime
+from tritonlocal import LauncherError, ServerOptions, TritonServer, flags, runtime
 
-SECRET = "0123456789abcdef" * 2  # a made-up token (assembled: no secret-looking literal)
-TOKEN = (flags.TOKEN_HEADER, SECRET)
+SECRET = "0123456789abcdef" * 2  # a made-up credential (assembled: no secret-looking literal)
+TOKEN = (flags.ADMIN_HEADER, SECRET)
 
 
 def test_redact_hides_the_value_of_every_restriction_flag_and_keeps_the_rest():
-    command = ["tritonserver", *flags.container_flags("/models", token=TOKEN), "--log-verbose=1"]
+    command = ["tritonserver", *flags.container_flags(TOKEN, "/models"), "--log-verbose=1"]
     shown = flags.redact(command)
     assert SECRET not in " ".join(shown)
     assert len(shown) == len(command)
     changed = [(a, b) for a, b in zip(command, shown) if a != b]
+    apis = ",".join(flags.RESTRICTED_APIS)
     assert [b for _, b in changed] == [
-        f"--http-restricted-api=model-repository:{flags.TOKEN_HEADER}={flags.REDACTED}",
-        f"--grpc-restricted-protocol=model-repository:{flags.TOKEN_HEADER}={flags.REDACTED}"]
+        f"--http-restricted-api={apis}:{flags.ADMIN_HEADER}={flags.REDACTED}",
+        f"--grpc-restricted-protocol={apis}:{flags.ADMIN_HEADER}={flags.REDACTED}"]
 
 
 def test_redact_hides_an_admin_header_given_in_any_form_getopt_takes():
@@ -53,7 +54,7 @@ def test_the_redact_command_mode_prints_the_command_without_the_value(capsys, mo
     import io
     import sys
 
-    command = ["tritonserver", *flags.container_flags("/m", token=TOKEN), "--a b"]
+    command = ["tritonserver", *flags.container_flags(TOKEN, "/m"), "--a b"]
     stdin = io.TextIOWrapper(io.BytesIO(b"".join(a.encode() + b"\0" for a in command)))
     monkeypatch.setattr(sys, "stdin", stdin)
     assert flags.main(["--redact-command"]) == 0
@@ -64,9 +65,9 @@ def test_the_redact_command_mode_prints_the_command_without_the_value(capsys, mo
 
 def test_the_servers_environment_never_holds_a_header(monkeypatch):
     """Every python-backend stub inherits tritonserver's environment: any model's code would read
-    an admin header or token there."""
+    the admin credential there."""
     for name in flags.SECRET_VARIABLES:
-        monkeypatch.setenv(name, f"{flags.TOKEN_HEADER}={SECRET}")
+        monkeypatch.setenv(name, f"{flags.ADMIN_HEADER}={SECRET}")
     install = runtime.find_installation()
     env = runtime.server_environment(install, "/opt/venv/bin/python")
     assert not set(flags.SECRET_VARIABLES) & set(env)
@@ -82,10 +83,36 @@ def test_server_options_do_not_show_the_admin_header():
 def test_the_log_tail_quoted_in_errors_is_redacted(tmp_path, admin):
     server = TritonServer(ServerOptions(tmp_path, admin_header=admin))
     if admin is None:
-        server.token = TOKEN
+        server.credential = TOKEN
     server.log_file = tmp_path / "tritonserver.log"
     server.log_file.write_text(f"# tritonserver --http-restricted-api=x:y={SECRET}\n"
                                f"a line quoting {SECRET} alone\n")
     tail = server.log_tail()
     assert SECRET not in tail
     assert tail.count(flags.REDACTED) == 2
+
+
+def test_the_credential_file_is_private_and_never_replaces_a_file_of_the_users(tmp_path):
+    server = TritonServer(ServerOptions(tmp_path))
+    mine = tmp_path / "notes.txt"
+    mine.write_text("the user's own notes\n")
+    with pytest.raises(LauncherError, match="not overwritten"):
+        server._write_credential(mine)
+    assert mine.read_text() == "the user's own notes\n" and server.credential_file is None
+    stale = tmp_path / "admin.header"
+    stale.write_text(f"{flags.ADMIN_HEADER}: {'0' * 64}\n")  # a killed launcher's
+    stale.chmod(0o644)
+    server._write_credential(stale)
+    assert stale.stat().st_mode & 0o777 == 0o600
+    assert flags.read_credential(stale) == server.credential != (flags.ADMIN_HEADER, "0" * 64)
+    assert stale.read_text() == flags.header_line(server.credential) + "\n"
+
+
+def test_benchmark_reports_print_perf_analyzers_headers_redacted():
+    from bench.perf import Run
+
+    run = Run(["/x/perf_analyzer", "-m", "tagger", "-H", flags.header_line(TOKEN),
+               "--shared-memory", "system"])
+    assert SECRET not in run.command_line
+    assert run.command_line == ("perf_analyzer -m tagger -H "
+                                f"'{flags.ADMIN_HEADER}: {flags.REDACTED}' --shared-memory system")
