@@ -1,16 +1,18 @@
 """The Kubernetes manifests and the Grafana dashboard under deploy/, checked without a cluster:
-they parse, and every port, probe path, command, user, volume and metric they name exists in the
-project (the metric names Triton itself exports are checked against a live server in
-tests/live/test_deploy_metrics.py)."""
+they parse and match Kubernetes 1.31's schemas, and every port, probe path, command, user, volume,
+secret and metric they name exists in the project (the metric names Triton itself exports are
+checked against a live server in tests/live/test_deploy_metrics.py)."""
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 import subprocess
 import sys
 from pathlib import Path
 
+import kubernetes_validate
 import promql_parser
 import pytest
 import yaml
@@ -36,6 +38,17 @@ BLIND_TO_ORCHESTRATORS = {
     "nv_inference_compute_infer_duration_us", "nv_inference_compute_input_duration_us",
     "nv_inference_compute_output_duration_us"}
 QUEUE = "nv_inference_queue_duration_us"
+# The Kubernetes release the manifests are checked against (kubernetes-validate bundles its schemas).
+KUBERNETES_VERSION = "1.31.0"
+# Documents kubernetes-validate has no schema for: a custom resource and kustomize's own file. Only
+# the project's own checks below read them; every other document must match its schema.
+NOT_CHECKABLE = {("monitoring.coreos.com/v1", "ServiceMonitor"),
+                 ("kustomize.config.k8s.io/v1beta1", "Kustomization")}
+# Applied by hand, never by `kubectl apply -k`: its placeholder must not overwrite the real one.
+NOT_IN_KUSTOMIZATION = {"kustomization.yaml", "admin-secret.yaml"}
+ADMIN_VARIABLE = "TRITONLOCAL_ADMIN_HEADER"
+# The entry script refuses a credential shorter than this (tritonlocal/flags.py).
+MIN_CREDENTIAL_CHARS = flags.MIN_CREDENTIAL_CHARS
 
 
 def documents() -> dict[str, dict]:
@@ -45,6 +58,12 @@ def documents() -> dict[str, dict]:
             if doc:
                 found[doc["kind"]] = doc
     return found
+
+
+def every_document() -> list[tuple[str, dict]]:
+    """(file name, document) for every document of every manifest, kustomization.yaml included."""
+    return [(path.name, doc) for path in sorted(KUBERNETES.glob("*.yaml"))
+            for doc in yaml.safe_load_all(path.read_text()) if doc]
 
 
 def container() -> dict:
@@ -58,19 +77,115 @@ def referenced_metrics() -> set[str]:
     return set(re.findall(r"\b((?:nv|bls)_[a-z_]+)\b", "\n".join(texts)))
 
 
-def test_every_manifest_parses_and_the_kustomization_lists_them_all():
+def test_every_manifest_parses_and_the_kustomization_lists_them_all_but_the_secret():
     kustomization = yaml.safe_load((KUBERNETES / "kustomization.yaml").read_text())
     listed = set(kustomization["resources"])
-    assert listed == {p.name for p in KUBERNETES.glob("*.yaml")} - {"kustomization.yaml"}
+    assert listed == {p.name for p in KUBERNETES.glob("*.yaml")} - NOT_IN_KUSTOMIZATION
     assert {"Deployment", "Service", "ServiceMonitor", "HorizontalPodAutoscaler",
-            "ConfigMap"} <= set(documents())
+            "ConfigMap", "Secret"} <= set(documents())
+
+
+def _schema_cases():
+    return [pytest.param(doc, id=f"{name}:{doc['kind']}") for name, doc in every_document()
+            if (doc["apiVersion"], doc["kind"]) not in NOT_CHECKABLE]
+
+
+@pytest.mark.parametrize("doc", _schema_cases())
+def test_every_kubernetes_document_matches_the_1_31_schema(doc):
+    """Strict: a field the schema does not know (a misspelling) fails, not only a wrong type."""
+    group = doc["apiVersion"].rpartition("/")[0]
+    # Built-in API groups: the core group, a name without a dot, or one under k8s.io. A custom
+    # resource that happened to share a built-in kind's name would be checked against the wrong
+    # schema (kubernetes-validate keys its schemas by kind and the group's first label only).
+    assert "." not in group or group.endswith(".k8s.io"), doc["apiVersion"]
+    try:
+        version, problem = kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True), ""
+    except kubernetes_validate.ValidationError as error:  # whose own text prints the whole schema
+        version, problem = None, f"{'.'.join(map(str, error.path))}: {error.message}"
+    assert not problem, problem
+    assert version == "1.31"
+
+
+def test_only_the_listed_kinds_go_unvalidated_and_they_cannot_be():
+    """A kind added to NOT_CHECKABLE but to no manifest, or one kubernetes-validate could check
+    after all, fails here; a new unlisted kind fails the schema check above."""
+    skipped = {(doc["apiVersion"], doc["kind"]) for _, doc in every_document()
+               if (doc["apiVersion"], doc["kind"]) in NOT_CHECKABLE}
+    assert skipped == NOT_CHECKABLE
+    for _, doc in every_document():
+        if (doc["apiVersion"], doc["kind"]) in NOT_CHECKABLE:
+            with pytest.raises(kubernetes_validate.SchemaNotFoundError):
+                kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)
+
+
+def _misspell(mapping: dict, key: str, wrong: str) -> None:
+    mapping[wrong] = mapping.pop(key)
+
+
+def _server(doc: dict) -> dict:
+    return doc["spec"]["template"]["spec"]["containers"][0]
+
+
+def _admin_env(doc: dict) -> dict:
+    return next(e for e in _server(doc)["env"] if e["name"] == ADMIN_VARIABLE)
+
+
+BREAKAGES = {
+    "misspelled-volumeMounts": ("Deployment",
+                                lambda d: _misspell(_server(d), "volumeMounts", "volumeMount")),
+    "misspelled-secretKeyRef": ("Deployment", lambda d: _misspell(
+        _admin_env(d)["valueFrom"], "secretKeyRef", "secretKeyref")),
+    "port-as-string": ("Deployment", lambda d: _server(d)["ports"][0].update(containerPort="8000")),
+    "misspelled-stringData": ("Secret", lambda d: _misspell(d, "stringData", "stringdata")),
+    "misspelled-port": ("Service", lambda d: _misspell(d["spec"]["ports"][0], "port", "prot")),
+    "misspelled-maxReplicas": ("HorizontalPodAutoscaler",
+                               lambda d: _misspell(d["spec"], "maxReplicas", "maxReplica")),
+}
+
+
+@pytest.mark.parametrize("breakage", BREAKAGES)
+def test_the_schema_check_fails_a_broken_manifest(breakage):
+    """The check above on a copy broken in memory: it must fail. An unknown field (volumeMount,
+    secretKeyref, stringdata) fails only because the check is strict."""
+    kind, breaks = BREAKAGES[breakage]
+    broken = copy.deepcopy(documents()[kind])
+    breaks(broken)
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(broken, KUBERNETES_VERSION, strict=True)
+
+
+def test_the_server_takes_the_admin_header_from_the_secret_which_holds_a_refused_placeholder():
+    secret = documents()["Secret"]
+    env = {e["name"]: e for e in container()["env"]}
+    source = env[ADMIN_VARIABLE]
+    assert set(source) == {"name", "valueFrom"}
+    ref = source["valueFrom"]["secretKeyRef"]
+    # Not optional: without the Secret, the container is not created.
+    assert ref == {"name": secret["metadata"]["name"], "key": ADMIN_VARIABLE}
+    assert set(secret["stringData"]) == {ADMIN_VARIABLE} and "data" not in secret
+    name, equals, value = secret["stringData"][ADMIN_VARIABLE].partition("=")
+    assert (name, equals) == ("triton-admin-key", "=")
+    assert len(value) < MIN_CREDENTIAL_CHARS, "the placeholder must be refused by the entry script"
+    with pytest.raises(ValueError, match=f"at least {MIN_CREDENTIAL_CHARS}"):
+        flags.parse_header(secret["stringData"][ADMIN_VARIABLE])
+    # The command in the file's header comment creates the same Secret, key and header name, with
+    # a generated value long enough.
+    comment = " ".join(line.lstrip("#").strip().removesuffix("\\").strip()
+                       for line in (KUBERNETES / "admin-secret.yaml").read_text().splitlines()
+                       if line.startswith("#"))
+    command = re.search(r"kubectl create secret generic (\S+) --from-literal=(\w+)="
+                        r'"([\w-]+)=\$\(openssl rand -hex (\d+)\)"', comment)
+    assert command, comment
+    assert command.groups()[:3] == (secret["metadata"]["name"], ADMIN_VARIABLE, name)
+    assert 2 * int(command.group(4)) >= MIN_CREDENTIAL_CHARS
 
 
 def test_ports_and_probes_are_the_servers():
     c = container()
     ports = {p["name"]: p["containerPort"] for p in c["ports"]}
     served = {f.split("=")[0].removeprefix("--").removesuffix("-port"): int(f.split("=")[1])
-              for f in flags.container_flags(flags.new_credential()) if f.split("=")[0].endswith("-port")}
+              for f in flags.container_flags(flags.new_credential())
+              if f.split("=")[0].endswith("-port")}
     assert ports == served
     assert c["startupProbe"]["httpGet"] == {"path": "/v2/health/ready", "port": "http"}
     service = documents()["Service"]
