@@ -16,7 +16,7 @@ it, while ``/v2/health/live``, ``/v2/health/ready`` and ``/v2/models/<m>/ready``
 
 It also asks ``/v2/health/live``, so one check covers the server and its stubs. It uses only
 the standard library, reads ``/proc`` of the server's PID namespace and calls only endpoints
-that stay open under the launcher's admin header (health, statistics, model config), so the same
+that need no admin credential (health, statistics, model config), so the same
 command serves as the Kubernetes probes inside the container::
 
     python3 -m tritonlocal.liveness --url localhost:8000          # exit 0 alive, 1 not, 2 unknown

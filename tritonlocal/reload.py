@@ -182,8 +182,7 @@ class Retiring:
 
 class Reloader:
     """Reloads the models whose stubs died, one check at a time (``handle``), and publishes its
-    state for the probes. ``headers`` open the repository API (the admin header or the server's
-    token)."""
+    state for the probes. ``headers`` (the admin credential) open the repository API."""
 
     def __init__(self, url: str, headers: dict[str, str], interval: float = 1.0,
                  max_reloads: int = 5, window: float = 600.0, retire_grace: float = 5.0,
