@@ -14,9 +14,8 @@ test repository with ``pipeline``'s contract and batching.
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
-
 import statistics
+from pathlib import Path
 
 from bls_models import spec as S
 from bls_models.pipelines import softmax_top_k
@@ -84,14 +83,14 @@ def side_by_side(server, models: dict[str, str], rounds: int, levels=(16, 64),
     by tens of percent within minutes): p50 at concurrency 1 (µs, perf_analyzer), and at each of
     ``levels`` the throughput (req/s) and, at the first, the model's stubs' CPU per request (ms).
     Returns key -> figure -> one value per round."""
-    from bench import batching_delay, profile
+    from bench import perf, profile
 
     out = {key: {"p50_c1_us": [], **{f"rps_c{c}": [] for c in levels}, "stub_cpu_ms": []}
            for key in models}
     for index in range(rounds):
         order = list(models.items()) if index % 2 == 0 else list(models.items())[::-1]
         for key, model in order:
-            p50 = batching_delay.p50_at_1(server, model)
+            p50 = perf.p50_at_1(server, model)
             if p50 is not None:
                 out[key]["p50_c1_us"].append(p50)
             for level in levels:

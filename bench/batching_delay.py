@@ -4,34 +4,25 @@
 ``overhead`` experiment's repository (the committed configs over ONNX models of size ``fast``, or
 with ``--models committed`` the repository's own, in a temporary directory) once per variant —
 ``<max_queue_delay_microseconds>[:<preferred_batch_size>][/<parameter>=<value>]...`` set on
-``pipeline``'s dynamic batcher and parameters (``instances``: its instance count) — and prints, for ``pipeline`` and ``pipeline_ensemble``: req/s
-and CPU per request of the stubs and of tritonserver at concurrency 16 (perf_analyzer over gRPC,
-8 s accounted), requests per ``execute`` (Triton's successful requests / ``execution_count``), and
-the p50 at concurrency 1. The repository given (default ``model_repository/``) is only read.
+``pipeline``'s dynamic batcher and parameters (``instances``: its instance count) — and prints,
+for ``pipeline`` and ``pipeline_ensemble``: req/s and CPU per request of the stubs and of
+tritonserver at concurrency 16 (perf_analyzer over gRPC, 8 s accounted), requests per
+``execute`` (Triton's successful requests / ``execution_count``), and the p50 at concurrency 1.
+The repository given (default ``model_repository/``) is only read.
 """
 
 from __future__ import annotations
 
 import argparse
 import re
-import subprocess
 import tempfile
 from pathlib import Path
 
-from bench import overhead, perf, profile
+from bench import overhead, profile
+from bench.perf import p50_at_1
 from tritonlocal import TritonServer, on_free_ports
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def p50_at_1(server: TritonServer, model: str) -> int | None:
-    """perf_analyzer's p50 (µs) at concurrency 1 over gRPC."""
-    out = subprocess.run([str(perf.PERF_ANALYZER), "-m", model, "-i", "grpc", "-u",
-                          server.grpc_url, "--concurrency-range", "1:1",
-                          "--measurement-interval", "3000", "--percentile=50"],
-                         capture_output=True, text=True, check=False).stdout
-    found = re.search(r"p50 latency: (\d+) usec", out)
-    return int(found.group(1)) if found else None
 
 
 def batching(config: str, delay_us: int, preferred: int | None,

@@ -18,7 +18,6 @@ from bls_models import pipelines
 from bls_models import spec as S
 from modelgen import export, nets
 
-
 # The end-to-end budget these load generators give each request (the `timeout` parameter, µs):
 # 1 000 requests in flight on 2 cores wait far longer than the orchestrator's 10 s default
 # deadline, which would otherwise (correctly) answer the late ones with UNAVAILABLE.

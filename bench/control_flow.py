@@ -33,6 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from bench import overhead
+from bench.common import Context, Result, target_line
 from bls_models import pipelines
 from bls_models import spec as S
 from modelgen import nets
@@ -316,9 +317,7 @@ def _cascade(result, url: str, repository: Path, quick: bool) -> dict:
 
 
 # -- the experiment --------------------------------------------------------------------------------
-def control_flow(ctx) -> object:
-    from bench.experiments import Result, _target
-
+def control_flow(ctx: Context) -> Result:
     result = Result("control_flow", "What an ensemble cannot do: requested outputs, long "
                     "documents, a cascade")
     quick = ctx.quick
@@ -339,21 +338,21 @@ def control_flow(ctx) -> object:
                        cascade=cascade)
     embedder = committed["subrequests_per_request"]["pipeline: classes only"]["embedder"]
     fast_embedder = faster["subrequests_per_request"]["pipeline: classes only"]["embedder"]
-    result.summary += ["**Targets**", "",
-                       _target("\"classes only\": embedder sub-requests per client request "
-                               f"(committed CNNs; fast sub-models: {fast_embedder:.2f})",
-                               embedder, 0.0, "lower"),
-                       _target("\"classes only\" `pipeline` / ensemble throughput, committed "
-                               "CNNs, minus the same for \"all outputs\"",
-                               committed["ratio"]["classes only"] - committed["ratio"]["all outputs"],
-                               0.0, "higher"),
-                       _target("8 192-token documents: tokens/s, BLS / client-side windows",
-                               windowing["ratio"][str(8192)], 1.0, "higher"),
-                       _target(f"cascade at the committed threshold: accuracy points below "
-                               "`digits_large` alone (served)", cascade["points_below_large"],
-                               0.5, "lower"),
-                       _target("cascade at the committed threshold: share of rows escalated",
-                               cascade["escalated"][cascade["committed"]], 0.2, "lower")]
+    classes_only = committed["ratio"]["classes only"] - committed["ratio"]["all outputs"]
+    result.summary += [
+        "**Targets**", "",
+        target_line("\"classes only\": embedder sub-requests per client request "
+                    f"(committed CNNs; fast sub-models: {fast_embedder:.2f})",
+                    embedder, 0.0, "lower"),
+        target_line("\"classes only\" `pipeline` / ensemble throughput, committed "
+                    "CNNs, minus the same for \"all outputs\"", classes_only, 0.0, "higher"),
+        target_line("8 192-token documents: tokens/s, BLS / client-side windows",
+                    windowing["ratio"][str(8192)], 1.0, "higher"),
+        target_line("cascade at the committed threshold: accuracy points below "
+                    "`digits_large` alone (served)", cascade["points_below_large"],
+                    0.5, "lower"),
+        target_line("cascade at the committed threshold: share of rows escalated",
+                    cascade["escalated"][cascade["committed"]], 0.2, "lower")]
     result.plot = {"kind": "bars", "title": "Throughput by outputs asked for (concurrency "
                    f"{CONCURRENCY})", "filter": {"part": "pruning"}, "value": "throughput",
                    "label": ["regime", "variant"], "xlabel": "requests/s"}

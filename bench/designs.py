@@ -6,7 +6,8 @@ Every design answers `pipeline`'s contract:
 
 | design | how requests of one instance overlap |
 |---|---|
-| runtime x2 (production) | `execute` waits for its batch up to the hold, then its answers go through response senders while the next batch runs |
+| runtime x2 (production) | `execute` waits for its batch up to the hold; then its answers go |
+| | through response senders while the next batch runs |
 | minimal per-batch x2, x4 | `execute` waits for its whole batch (bench/models/minimal.py: the anchor) |
 | naive x2 | Triton's BLS example: `async def execute`, `async_exec` per request (bench/models/naive.py) |
 
@@ -27,9 +28,12 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import tritonclient.grpc as grpcclient
 
-from bench import anchors
+from bench import anchors, clients, perf
+from bench.common import Context, Result
+from modelgen import nets
 
 STAGES = {"preprocess_model": "preprocess", "classifier_model": "fault_classifier",
           "embedder_model": "embedder", "default_deadline_ms": "30000"}
@@ -101,3 +105,56 @@ def head_of_line(url: str, design: Design, data) -> tuple[list[float], int]:
     classifier stage, and how many of the 50 got no answer."""
     fast = head_of_line_unary(url, design, data)
     return fast, 50 - len(fast)
+
+
+# -- the experiment ------------------------------------------------------------------------------
+# Head-of-line rounds per design, interleaved: one round is a few hundred milliseconds and moves by
+# 2x between runs on this shared host.
+HOL_ROUNDS = 6
+
+
+def concurrency_designs(ctx: Context) -> Result:
+    result = Result("designs", "Orchestrator concurrency designs")
+    levels = [1, 4] if ctx.quick else [1, 16, 64, 256]
+    rounds = 1 if ctx.quick else HOL_ROUNDS
+    url = ctx.server.grpc_url
+    image = nets.synthetic_images(1, seed=1).numpy()
+    table = [f"| design | 50 requests behind slow ones: p50 / max (ms), median of {rounds} "
+             "round(s) | unanswered | "
+             + " | ".join(f"req/s (p95 ms), concurrency {c}" for c in levels) + " |",
+             "|---|---|---|" + "---|" * len(levels)]
+    failures = []
+    # Warm-up, unmeasured: 50 requests through every design twice, so that no design pays the
+    # server's first requests (ONNX Runtime's first run of each batch size, thread pools, the
+    # runtime's record of batch times) for the others. Each design's first round measured cold
+    # otherwise, and the first design measured took 2-5x longer than later rounds of itself.
+    for _ in range(2):
+        for design in DESIGNS:
+            head_of_line(url, dataclasses.replace(design, instances=0), image)
+    hol_rounds: dict[str, list[tuple[list[float], int]]] = {d.name: [] for d in DESIGNS}
+    for _ in range(rounds):
+        for design in DESIGNS:
+            hol_rounds[design.name].append(head_of_line(url, design, image))
+    for design in DESIGNS:
+        measured = hol_rounds[design.name]
+        fast = [latency for latencies, _ in measured for latency in latencies]
+        missing = sum(lost for _, lost in measured)
+        result.add(design.name, clients.point(50, fast, 1.0), errors=missing,
+                   scenario="head-of-line")
+        p50 = float(np.median([np.percentile(lat, 50) * 1e3 if lat else np.nan
+                               for lat, _ in measured]))
+        worst = float(np.median([max(lat, default=0) * 1e3 for lat, _ in measured]))
+        run = perf.run(design.model, url, levels, ctx.settings, extra=["--async"])
+        result.commands.append(run.command_line)
+        if run.error:
+            failures.append(f"- {design.name}: perf_analyzer failed: {run.error}")
+        for p in run.points:
+            result.add(design.name, p, scenario="throughput")
+        cells = [next((f"{p.throughput:.0f} ({p.p95_ms:.0f})" for p in run.points
+                       if p.concurrency == c), "unstable") for c in levels]
+        table.append(f"| {design.name} | {p50:.0f} / {worst:.0f} "
+                     f"| {missing} | " + " | ".join(cells) + " |")
+    result.summary += table + [""] + failures
+    result.plot = {"kind": "curve", "title": "Designs: throughput vs p95 latency",
+                   "filter": {"scenario": "throughput"}}
+    return result

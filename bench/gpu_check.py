@@ -1,24 +1,15 @@
-"""`make gpu-check`: one command that proves a GPU host serves this repository right, in under 15
-minutes, with the wheel's tritonserver and the GPU build of the onnxruntime backend (no Docker).
+"""`make gpu-check`: proves, in under 15 minutes, that a GPU host serves this repository right,
+with the wheel's tritonserver and the GPU build of the onnxruntime backend (no Docker).
 
     python -m bench.gpu_check             # on a GPU host (make gpu-check builds what it needs first)
-    python -m bench.gpu_check --dry-run   # the steps it would run, anywhere
+    python -m bench.gpu_check --dry-run   # the steps it would run (``plan``), anywhere
 
-For each GPU profile (``modelgen.profiles``) it renders the repository, builds engines where the
-profile has them (timed), starts the server through the project's launcher (timed: warm-up and
-ONNX Runtime's TensorRT engines are built before it reports ready), and compares the answers of
-``pipeline``, ``pipeline_ensemble`` and ``tag_pipeline`` with CPU ONNX Runtime on the same files,
-within the tolerances of the profile's arithmetic (``TOLERANCES``). On the ``gpu`` profile it also
-checks the GPU-tensor path (the orchestrator's stubs hold GPU memory with ``gpu_tensors`` on and
-none with it off; throughput with it on and off; GPU memory and stub memory flat over a short
-soak) and runs `make bench-overhead`'s experiment on its server (``pipeline`` against
-``pipeline_ensemble`` and the client calling the sub-models, where the models are fast for
-real). The report goes to
-``bench/results/gpu-check/`` (CSV, JSON, REPORT.md, as ``make bench`` writes them).
-
-On a host without a GPU it prints one line and exits 0: there is nothing to check. This module
-imports only the standard library until it knows it has a GPU (the dry run and that line run
-before any venv exists).
+Per GPU profile: render, build engines, start (timed), and compare the answers with CPU ONNX
+Runtime within the profile's ``TOLERANCES`` (bench/gpu_compare.py); on ``gpu`` also the
+GPU-tensor path, a memory soak and `make bench-overhead`'s experiment. The report goes to
+``bench/results/gpu-check/`` as ``make bench`` writes its own. Without a GPU it prints one line
+and exits 0. Guarantee: the standard library alone until a GPU is found (the dry run and that
+line run before any venv exists).
 """
 
 from __future__ import annotations
@@ -31,12 +22,13 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from bench.gpu_compare import TOLERANCES, compare_tags, compare_top_k, cosine, flat, softmax
+from bench.gpu_host import GPU_TENSORS_OFF, add_gpu_tensors_off, gpu_memory_mib, infer
 from tritonlocal import gpu
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "bench" / "results" / "gpu-check"
 PROFILES = ("gpu", "gpu-ort-trt", "gpu-trt")
-GPU_TENSORS_OFF = "pipeline_gpu_tensors_off"
 IMAGES = 32                 # images compared per profile (batches of 1 and of 8)
 SEQUENCES = 4               # tag_pipeline sequences compared per profile
 LOAD_SECONDS = 20           # throughput with gpu_tensors on, then off
@@ -44,35 +36,6 @@ SOAK_SECONDS = 90           # the memory soak
 CONCURRENCY = 16
 PERF_CONCURRENCY = [1, 8, 32]
 BUDGET_SECONDS = 15 * 60
-
-
-@dataclass(frozen=True)
-class Tolerance:
-    """How far a GPU answer may be from CPU ONNX Runtime's (FP32) on the same ONNX file.
-
-    * ``probs``: |served CLASS_PROBS / TAG_PROBS - CPU probability of the same class|.
-    * ``tie``: top-5 ids (and each token's tag) must equal the CPU's, except where the two
-      classes' CPU probabilities differ by at most ``tie``: a near-tie the GPU arithmetic may
-      order either way (a "flip", counted in the report, not a failure).
-    * ``embedding``: cosine similarity of EMBEDDING (L2-normalised) to the CPU's, at least.
-    """
-
-    arithmetic: str
-    probs: float
-    tie: float
-    embedding: float
-
-
-# ONNX Runtime's CUDA provider runs FP32 convolutions and matmuls in TF32 on Ampere and newer
-# (its `use_tf32` default): 10 mantissa bits, ~5e-4 relative per product, accumulated over ~50
-# layers. TensorRT's FP16 (gpu-ort-trt, gpu-trt) has the same mantissa and a narrower range, and
-# FP16 accumulation in places. First estimates, to be confirmed by the first GPU run (the report
-# prints the largest differences seen, so they can be tightened).
-TOLERANCES = {
-    "gpu": Tolerance("FP32 (TF32 on Ampere+)", probs=5e-3, tie=1e-2, embedding=0.999),
-    "gpu-ort-trt": Tolerance("FP16 (TensorRT)", probs=2e-2, tie=4e-2, embedding=0.99),
-    "gpu-trt": Tolerance("FP16 (TensorRT)", probs=2e-2, tie=4e-2, embedding=0.99),
-}
 
 
 @dataclass(frozen=True)
@@ -121,93 +84,18 @@ def plan(profiles=PROFILES, tensorrt_backend: Path | None = None) -> list[Step]:
     return steps
 
 
-# -- comparisons with CPU ONNX Runtime (pure numpy, unit-tested) ----------------------------------
-def softmax(logits):
-    import numpy as np
-
-    shifted = logits.astype(np.float64) - logits.max(axis=-1, keepdims=True)
-    exp = np.exp(shifted)
-    return exp / exp.sum(axis=-1, keepdims=True)
-
-
-def compare_top_k(reference, ids, probs, tolerance: Tolerance) -> tuple[list[str], int, float]:
-    """One image's served top-k (``ids``, ``probs``) against the CPU's probabilities over every
-    class (``reference``): (problems, near-tie flips, largest probability difference)."""
-    import numpy as np
-
-    expected = np.argsort(-reference, kind="stable")[: len(ids)]
-    problems, flips = [], 0
-    difference = float(np.max(np.abs(probs - reference[ids])))
-    if difference > tolerance.probs:
-        problems.append(f"probabilities differ by {difference:.2g} > {tolerance.probs:g}")
-    for rank, (served, wanted) in enumerate(zip(ids, expected)):
-        if served == wanted:
-            continue
-        gap = abs(float(reference[served] - reference[wanted]))
-        if gap <= tolerance.tie:
-            flips += 1
-        else:
-            problems.append(f"rank {rank + 1}: class {served} instead of {wanted} (CPU "
-                            f"probabilities {reference[served]:.4f} vs {reference[wanted]:.4f})")
-    return problems, flips, difference
-
-
-def compare_tags(reference, tags, tag_probs, tolerance: Tolerance) -> tuple[list[str], int, float]:
-    """One sequence's TAGS and TAG_PROBS against the CPU's per-token probabilities (``reference``,
-    [tokens, vocabulary]), with the same rules as ``compare_top_k`` for rank 1."""
-    import numpy as np
-
-    rows = np.arange(len(tags))
-    wanted = reference.argmax(axis=-1)
-    gaps = np.abs(reference[rows, tags] - reference[rows, wanted])
-    difference = float(np.max(np.abs(tag_probs - reference[rows, tags])))
-    problems = []
-    if difference > tolerance.probs:
-        problems.append(f"tag probabilities differ by {difference:.2g} > {tolerance.probs:g}")
-    wrong = np.flatnonzero((tags != wanted) & (gaps > tolerance.tie))
-    if wrong.size:
-        problems.append(f"{wrong.size} token(s) tagged differently, e.g. token {wrong[0]}: "
-                        f"{tags[wrong[0]]} instead of {wanted[wrong[0]]}")
-    return problems, int(((tags != wanted) & (gaps <= tolerance.tie)).sum()), difference
-
-
-def cosine(a, b) -> float:
-    import numpy as np
-
-    return float(np.dot(a, b) / (np.linalg.norm(a) * np.linalg.norm(b)))
-
-
-def flat(samples: list[float], allowed: float) -> tuple[bool, float]:
-    """Whether a series stayed flat: the mean of its last third exceeds the mean of its first
-    third by at most ``allowed`` (the growth, returned too)."""
-    third = max(1, len(samples) // 3)
-    growth = sum(samples[-third:]) / third - sum(samples[:third]) / third
-    return growth <= allowed, growth
-
 
 # -- the run ------------------------------------------------------------------------------------
-def gpu_memory_mib(run=subprocess.run) -> dict[int, float]:
-    """pid -> GPU memory (MiB) of every process with a CUDA context (nvidia-smi)."""
-    out = run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
-              capture_output=True, text=True, timeout=30).stdout
-    used = {}
-    for line in out.splitlines():
-        pid, _, mib = line.partition(",")
-        if pid.strip().isdigit():
-            used[int(pid)] = float(mib.strip() or 0)
-    return used
-
-
 class Check:
     """Runs the steps on a GPU host and collects the report's rows and lines."""
 
     def __init__(self, host: gpu.Host, source: Path, tensorrt_backend: Path | None,
                  profiles=PROFILES) -> None:
-        from bench import experiments
+        from bench.common import Result
 
         self.host, self.source, self.profiles = host, source, profiles
         self.tensorrt_backend = tensorrt_backend
-        self.result = experiments.Result("gpu_check", f"GPU check on {host.describe()}")
+        self.result = Result("gpu_check", f"GPU check on {host.describe()}")
         self.failures: list[str] = []
         self.skipped: list[str] = []
         self._cpu, self._images, self._tags = None, [], {}
@@ -438,13 +326,14 @@ class Check:
         the models are fast for real: the client calling the sub-models, `pipeline`, the
         anchor and `pipeline_ensemble` at PERF_CONCURRENCY, each hop's latency, CPU per request,
         the targets (two rounds). No in-process run: it would be ONNX Runtime on the CPU."""
-        from bench import experiments, overhead, perf
+        from bench import overhead, perf
+        from bench.common import Context, Result
 
         # A short run: 2 s windows, up to 6 trials, stable within 25 % (the benchmark's 15 % did
         # not settle at concurrency 8 and 32 in a CPU rehearsal of this step).
         settings = perf.Settings(window_ms=2000, stability=25, max_trials=6)
-        measured = experiments.Result("overhead", "")
-        overhead.measure(experiments.Context(server, ROOT, settings), measured, server, None,
+        measured = Result("overhead", "")
+        overhead.measure(Context(server, ROOT, settings), measured, server, None,
                          PERF_CONCURRENCY, seconds=4.0, rounds=2)
         self.result.rows += measured.rows
         self.result.commands += measured.commands
@@ -455,30 +344,6 @@ class Check:
 
 class _NoSettings:
     quick = False
-
-
-def infer(client, model: str, name: str, data, dtype: str, outputs):
-    import tritonclient.grpc as grpcclient
-
-    tensor = grpcclient.InferInput(name, list(data.shape), dtype)
-    tensor.set_data_from_numpy(data)
-    return client.infer(model, [tensor], outputs=[grpcclient.InferRequestedOutput(o) for o in outputs],
-                        client_timeout=120)
-
-
-def add_gpu_tensors_off(repository: Path) -> None:
-    """``pipeline`` with ``gpu_tensors: "off"`` beside it (its baseline), in a rendered profile."""
-    from google.protobuf import text_format
-
-    from modelgen import configs
-
-    config = configs.parse_pbtxt((repository / "pipeline" / "config.pbtxt").read_text())
-    config.name = GPU_TENSORS_OFF
-    config.parameters["gpu_tensors"].string_value = "off"
-    (repository / GPU_TENSORS_OFF / "1").mkdir(parents=True)
-    (repository / GPU_TENSORS_OFF / "config.pbtxt").write_text(text_format.MessageToString(config))
-    (repository / GPU_TENSORS_OFF / "1" / "model.py").symlink_to(
-        (repository / "pipeline" / "1" / "model.py").resolve())
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -35,6 +35,7 @@ from pathlib import Path
 import numpy as np
 
 from bench import anchors, clients, perf, profile
+from bench.common import Context, Result, best_point, point_at, target_line
 from bench.perf import Point
 from bls_models import spec as S
 from modelgen import export, nets
@@ -91,27 +92,7 @@ def _in_process_stage(local: clients.InProcess, model: S.ModelSpec, count: int) 
     return clients.point(1, latencies, time.monotonic() - started)
 
 
-def _best(points: list[Point]) -> Point | None:
-    return max(points, key=lambda p: p.throughput) if points else None
-
-
-def _at(points: list[Point], concurrency: int) -> Point | None:
-    return next((p for p in points if p.concurrency == concurrency), None)
-
-
-def _verdict(label: str, value: float | None, limit: float, higher_is_better: bool,
-             unit: str = "") -> str:
-    if value is None:
-        return f"- {label}: not measured"
-    met = value >= limit if higher_is_better else value <= limit
-    sign = "≥" if higher_is_better else "≤"
-    return (f"- {label}: **{value:.2f}{unit}** (target {sign} {limit}{unit}) — "
-            + ("met" if met else f"**missed** by {abs(value - limit):.2f}{unit}"))
-
-
-def overhead(ctx) -> object:
-    from bench.experiments import Result
-
+def overhead(ctx: Context) -> Result:
     result = Result("overhead", "Overhead: the committed pipeline over fast sub-models "
                                 "(the proxy for a GPU host)")
     levels = [1, 4] if ctx.quick else list(LEVELS)
@@ -150,8 +131,8 @@ def measure(ctx, result, server: TritonServer, repository: Path | None, levels: 
     runs = perf.interleaved(served, url, levels, ctx.settings)
     ways = {"in-process": inproc, "direct": direct,
             **{key: result.add_run(labels[key], run) for key, run in runs.items()}}
-    best = {k: _best(v) for k, v in ways.items()}
-    one = {k: _at(v, 1) for k, v in ways.items()}
+    best = {k: best_point(v) for k, v in ways.items()}
+    one = {k: point_at(v, 1) for k, v in ways.items()}
     result.summary += [
         "| way | best throughput (req/s) | at concurrency | p50 / p99 at concurrency 1 (ms) |",
         "|---|---|---|---|",
@@ -184,14 +165,14 @@ def measure(ctx, result, server: TritonServer, repository: Path | None, levels: 
               *[(f"req/s at concurrency {c}", f"rps_c{c}", 0, ratio[c]) for c in levels_],
               ("stub CPU ms per request at the first level", "stub_cpu_ms", 3, stub))],
         "",
-        *[_verdict(f"`pipeline` / minimal per-batch, throughput at concurrency {c}",
-                   med(ratio[c]), TARGETS["throughput"], True) for c in levels_],
-        _verdict("`pipeline` − minimal per-batch, p50 at concurrency 1", med(over),
-                 TARGETS["p50_over_ms"], False, " ms"),
-        _verdict("`pipeline` / minimal per-batch, stub CPU per request", med(stub),
-                 TARGETS["stub_cpu"], False),
-        _verdict("`pipeline` / ensemble, best throughput of the sweep (three hops: floor "
-                 "≈ 0.66)", ensemble, TARGETS["ensemble"], True),
+        *[target_line(f"`pipeline` / minimal per-batch, throughput at concurrency {c}",
+                      med(ratio[c]), TARGETS["throughput"], "higher") for c in levels_],
+        target_line("`pipeline` − minimal per-batch, p50 at concurrency 1", med(over),
+                    TARGETS["p50_over_ms"], "lower", " ms"),
+        target_line("`pipeline` / minimal per-batch, stub CPU per request", med(stub),
+                    TARGETS["stub_cpu"], "lower"),
+        target_line("`pipeline` / ensemble, best throughput of the sweep (three hops: floor "
+                    "≈ 0.66)", ensemble, TARGETS["ensemble"], "higher"),
     ]
     for key, values in figures.items():
         for figure, per_round in values.items():

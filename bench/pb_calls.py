@@ -38,7 +38,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench import batching_delay, overhead, profile
+from bench import overhead, perf, profile
 from tritonlocal import TritonServer, on_free_ports
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -294,7 +294,7 @@ def answering(server: TritonServer) -> list[dict]:
                      "req_s": load.requests / load.seconds,
                      "stub_cpu_ms": cpu.get(f"{model} stubs", 0.0),
                      "tritonserver_cpu_ms": cpu.get("tritonserver", 0.0),
-                     "p50_c1_us": batching_delay.p50_at_1(server, model)})
+                     "p50_c1_us": perf.p50_at_1(server, model)})
     return rows
 
 
@@ -302,7 +302,7 @@ def calls_per_request() -> dict[str, dict[str, float]]:
     """pb_utils calls per request of the committed ``pipeline`` over the fake ``pb_utils``."""
     from tests.unit.fake_pb_utils import FakePbUtils, Request
     from tests.unit.row_models import DirectedRowModels, image_of
-    from tests.unit.support import orchestrator, wait_answered
+    from tests.helpers import orchestrator, wait_answered
 
     counted = {}
     for per_execute, hold in ((1, None), (4, None), (1, "0"), (4, "0")):

@@ -7,6 +7,7 @@ back sorted by concurrency, with latencies in milliseconds. It prints everything
 from __future__ import annotations
 
 import csv
+import re
 import shlex
 import subprocess
 import sys
@@ -68,10 +69,19 @@ class Run:
 
     @property
     def command_line(self) -> str:
-        """The command as reports print it: the value of every ``-H`` header (the admin
-        credential) redacted."""
-        shown = [f"{arg.split(':', 1)[0]}: {REDACTED}" if before == "-H" else arg
-                 for before, arg in zip(["", *self.command], self.command)]
+        """The command as reports print it, the same in every run: the value of every ``-H``
+        header (the admin credential) redacted, the CSV file (``-f``, in a temporary
+        directory) by its name, the server's port (``-u``, a free one per run) as ``<port>``.
+        What runs is ``command``."""
+        shown = []
+        for before, arg in zip(["", *self.command], self.command):
+            if before == "-H":
+                arg = f"{arg.split(':', 1)[0]}: {REDACTED}"
+            elif before == "-f":
+                arg = Path(arg).name
+            elif before == "-u":
+                arg = re.sub(r":\d+$", ":<port>", arg)
+            shown.append(arg)
         return shlex.join(["perf_analyzer", *shown[1:]])
 
 
@@ -127,6 +137,17 @@ def interleaved(models: dict[str, str], url: str, levels: list[int], settings: S
             combined.retried += one.retried
             combined.command = [*combined.command[:-1], f"{combined.command[-1]},{level}"]
     return runs
+
+
+def p50_at_1(server, model: str) -> int | None:
+    """perf_analyzer's p50 (µs) at concurrency 1 over gRPC, against ``server`` (a
+    tritonlocal.TritonServer)."""
+    out = subprocess.run([str(PERF_ANALYZER), "-m", model, "-i", "grpc", "-u",
+                          server.grpc_url, "--concurrency-range", "1:1",
+                          "--measurement-interval", "3000", "--percentile=50"],
+                         capture_output=True, text=True, check=False).stdout
+    found = re.search(r"p50 latency: (\d+) usec", out)
+    return int(found.group(1)) if found else None
 
 
 def read_csv(path: Path) -> list[Point]:

@@ -6,9 +6,10 @@ request touched.
     python -m bench.profile pipeline --concurrency 16 --stubs pipeline
 
 Writes ``bench/results/profile-<model>.md`` (the top functions by own time and by inclusive
-time, per stub) and the raw collapsed stacks beside it (``profile-<model>-<stub>.txt``,
-flamegraph.pl input). Everything runs on the CPU of the machine it measures: py-spy's sampling
-costs a few percent, so read shares, not absolute times.
+time, per stub) and py-spy's raw collapsed stacks (``profile-<model>-<stub>-<pid>.txt``,
+flamegraph.pl input) into ``--raw`` (``bench/results/raw/``, git-ignored), which the report names
+but does not link. Everything runs on the CPU of the machine it measures: py-spy's sampling costs
+a few percent, so read shares, not absolute times.
 """
 
 from __future__ import annotations
@@ -111,17 +112,24 @@ def breakdown(before: dict, after: dict) -> list[str]:
     lines = ["| model | requests | queue (ms) | compute input (ms) | compute infer (ms) | "
              "compute output (ms) |", "|---|---|---|---|---|---|"]
     for name, stats in after.items():
-        count = stats["count"] - before.get(name, {}).get("count", 0)
+        earlier = before.get(name, {})
+        count = stats["count"] - earlier.get("count", 0)
         if count <= 0:
             continue
-
-        def per_request(key: str) -> str:
-            return f"{(stats[key] - before.get(name, {}).get(key, 0)) / count / 1e6:.2f}"
-
-        lines.append(f"| {name} | {count} | {per_request('queue')} | "
-                     f"{per_request('compute_input')} | {per_request('compute_infer')} | "
-                     f"{per_request('compute_output')} |")
+        per_request = {key: f"{(stats[key] - earlier.get(key, 0)) / count / 1e6:.2f}"
+                       for key in ("queue", "compute_input", "compute_infer", "compute_output")}
+        lines.append(f"| {name} | {count} | {per_request['queue']} | "
+                     f"{per_request['compute_input']} | {per_request['compute_infer']} | "
+                     f"{per_request['compute_output']} |")
     return lines
+
+
+def shown_path(path: Path, out: Path) -> str:
+    """``path`` as the report names it: relative to the report's directory when inside it."""
+    try:
+        return str(path.resolve().relative_to(out.resolve()))
+    except ValueError:
+        return str(path)
 
 
 @dataclass
@@ -194,6 +202,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="py-spy --gil: only samples of the thread holding the GIL (the "
                              "stub's own Python CPU; waits on locks and IPC are left out)")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
+    parser.add_argument("--raw", type=Path, default=ROOT / "bench" / "results" / "raw",
+                        help="where py-spy's collapsed stacks go (git-ignored)")
     parser.add_argument("--model-repository", type=Path, default=ROOT / "model_repository")
     args = parser.parse_args(argv)
     stubs = [] if args.stubs == "none" else [s for s in args.stubs.split(",") if s] or [args.model]
@@ -202,6 +212,7 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     args.out.mkdir(parents=True, exist_ok=True)
+    args.raw.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="profile-") as tmp:
         with TritonServer(on_free_ports(args.model_repository,
                                         Path(tmp) / "tritonserver.log")) as server:
@@ -210,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
             def sample() -> None:
                 for stub in stubs:
                     for pid in server.stub_pids(stub):
-                        raw = args.out / f"profile-{args.model}-{stub}-{pid}.txt"
+                        raw = args.raw / f"profile-{args.model}-{stub}-{pid}.txt"
                         # --native needs the stub stopped while it reads native stacks.
                         mode = ["--native"] if args.native else ["--nonblocking"]
                         mode += ["--gil"] if args.gil else []
@@ -245,9 +256,8 @@ def main(argv: list[str] | None = None) -> int:
             report += [f"## `{stub}` stub {pid}: py-spy wrote nothing", ""]
             continue
         own, inclusive, total = top_functions(collapsed(raw))
-        raw_name = raw.name
         report += [f"## `{stub}` stub (pid {pid}): {total} samples, all threads "
-                   f"([collapsed stacks]({raw_name}))", "",
+                   f"(collapsed stacks: `{shown_path(raw, args.out)}`, not committed)", "",
                    "| own time | function | | inclusive | function |", "|---|---|---|---|---|"]
         for (f_own, n_own), (f_inc, n_inc) in zip(own, inclusive):
             report.append(f"| {100 * n_own / total:.1f} % | `{f_own}` | | "

@@ -45,6 +45,7 @@ from pathlib import Path
 
 import numpy as np
 
+from bench import supervision
 from bls_models import spec as S
 from tritonlocal import launcher, procs
 from tritonlocal.load import Answer, closed_loop
@@ -155,9 +156,9 @@ def kill_under_load(server: launcher.TritonServer, supervisor: launcher.Supervis
         run = Run(victim, victim_pid, instance)
         limit = killed_at + 60.0
         while time.monotonic() < limit:
-            done = [t for t, what in supervisor.reloader.events if what == f"reloaded: {victim}"]
+            done = supervision.reloaded(supervisor, victim, killed_at)
             ready = [t for t, what in supervisor.events if what == "ready" and t > killed_at]
-            if done or ready or supervisor.error:
+            if done is not None or ready or supervisor.error:
                 break
             time.sleep(0.05)
         time.sleep(after)
@@ -165,14 +166,12 @@ def kill_under_load(server: launcher.TritonServer, supervisor: launcher.Supervis
         stop.set()
         for thread in threads:
             thread.join(max(deadline, others_deadline or 0) + 30)
-    events = [(t, f"reloader: {what}") for t, what in supervisor.reloader.events] + \
-             [(t, f"supervisor: {what}") for t, what in supervisor.events]
-    run.events = [f"{t - killed_at:+.2f} s {what}" for t, what in sorted(events) if t >= killed_at - 1]
-    starts = [t for t, what in supervisor.reloader.events if what.startswith(f"reload: {victim}")]
-    reloaded = [t for t, what in supervisor.reloader.events if what == f"reloaded: {victim}"]
-    run.detected_s = round(starts[0] - killed_at, 3) if starts else None
-    run.reloaded_s = round(reloaded[0] - killed_at, 3) if reloaded else None
-    run.server_restarts = sum(1 for _, what in supervisor.events if what.startswith("restart"))
+    run.events = supervision.timeline(supervisor, killed_at, since=killed_at - 1)
+    began = supervision.reload_began(supervisor, victim, killed_at)
+    done = supervision.reloaded(supervisor, victim, killed_at)
+    run.detected_s = round(began - killed_at, 3) if began is not None else None
+    run.reloaded_s = round(done - killed_at, 3) if done is not None else None
+    run.server_restarts = supervision.server_restarts(supervisor)
     mine = answers[victim]
     run.victim_requests = len(mine)
     after_kill = [a for a in mine if a.started >= killed_at and a.code is not None]

@@ -39,7 +39,8 @@ def machine(gpu_build: bool = False) -> dict[str, str]:
         commit += " + uncommitted changes" if dirty and commit else ""
     except OSError:
         commit = ""
-    return {"cpu": f"{cpu} ({simd})" if simd else cpu, "cores": str(os.cpu_count()), "memory_gib": f"{memory:.0f}",
+    return {"cpu": f"{cpu} ({simd})" if simd else cpu, "cores": str(os.cpu_count()),
+            "memory_gib": f"{memory:.0f}",
             "os": platform.platform(), "python": platform.python_version(), "commit": commit,
             "onnx_backend": onnx_backend(gpu_build), "gpu": gpus()}
 
@@ -88,7 +89,8 @@ def write(result, out: Path, triton_version: str, settings) -> None:
             writer.writeheader()
             writer.writerows(result.rows)
     meta = {"name": result.name, "title": result.title, "summary": result.summary,
-            "commands": result.commands, "data": result.data, "triton": triton_version, "quick": settings.quick,
+            "commands": result.commands, "data": result.data, "triton": triton_version,
+            "quick": settings.quick,
             "settings": vars(settings), "machine": started(),
             "when": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
     (out / f"{result.name}.json").write_text(json.dumps(meta, indent=2) + "\n")

@@ -19,8 +19,9 @@ unique id, and the answer must come back with that id. The soak reports:
   requests after warm-up: a least-squares slope over the samples taken after the first tenth of
   the requests.
 
-It writes ``soak.json``, ``soak.csv`` (the memory samples), ``soak.png`` and ``soak.md`` into
-``--out``.
+It writes ``soak.json`` (the summary), ``soak.csv`` (the memory samples), ``soak.png`` and
+``soak.md`` into ``--out``, and the whole record (``soak.json``, samples included) into ``--raw``
+(git-ignored).
 """
 
 from __future__ import annotations
@@ -28,7 +29,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
-import csv
 import json
 import sys
 import time
@@ -38,6 +38,7 @@ from pathlib import Path
 
 import numpy as np
 
+from bench import memory
 from bls_models import spec as S
 from modelgen import nets
 from tritonlocal import procs
@@ -82,17 +83,6 @@ def process_memory(server_pid: int) -> dict[str, float]:
         for number, pid in enumerate(sorted(pids)):
             memory[f"{model} #{number} private"] = procs.memory_mib(pid).get("RssAnon", 0.0)
     return memory
-
-
-def growth_per_10k(samples: list[dict], key: str, total: int) -> float:
-    """Least-squares slope of ``key`` (MiB) against requests completed, per 10 000 requests,
-    over the samples after the first tenth of the run (warm-up)."""
-    points = [(s["completed"], s[key]) for s in samples
-              if s["completed"] >= total / 10 and key in s]
-    if len(points) < 3 or points[-1][0] == points[0][0]:
-        return float("nan")
-    x, y = np.array(points, dtype=float).T
-    return float(np.polyfit(x, y, 1)[0] * 10_000)
 
 
 def model_counts(http_url: str) -> dict[str, int]:
@@ -177,42 +167,32 @@ async def run(grpc_url: str, http_url: str, server_pid: int | None, requests: in
                            "p99": float(np.percentile(v, 99) * 1e3)} for m, v in latencies.items() if v}
     after = model_counts(http_url)
     soak.server_counted = {m: after.get(m, 0) - before.get(m, 0) for m in MODELS}
-    keys = sorted({k for s in soak.samples for k in s} - {"seconds", "completed"})
-    for key in keys:
-        values = [s[key] for s in soak.samples if key in s]
-        soak.memory_mib[key] = (values[0], values[-1])
-        soak.memory_growth_mib_per_10k[key] = growth_per_10k(soak.samples, key, requests)
+    soak.memory_mib, soak.memory_growth_mib_per_10k = memory.trends(soak.samples, requests)
     return soak
 
 
 # -- report -----------------------------------------------------------------------------------------
-def report(soak: Soak, out: Path, command: str) -> Path:
+def report(soak: Soak, out: Path, command: str, raw: Path | None = None) -> Path:
+    """soak.{json,csv,png,md} into ``out``: the JSON is the summary (the memory samples are in
+    the CSV); with ``raw``, the whole record, samples included, as ``raw``/soak.json (raw data:
+    not for git)."""
     out.mkdir(parents=True, exist_ok=True)
-    (out / "soak.json").write_text(json.dumps({**asdict(soak), "clean": soak.clean,
-                                               "command": command}, indent=2) + "\n")
-    keys = sorted({k for s in soak.samples for k in s} - {"seconds", "completed"})
-    with (out / "soak.csv").open("w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=["seconds", "completed", *keys])
-        writer.writeheader()
-        writer.writerows(soak.samples)
+    record = {**asdict(soak), "clean": soak.clean, "command": command}
+    if raw is not None:
+        raw.mkdir(parents=True, exist_ok=True)
+        (raw / "soak.json").write_text(json.dumps(record, indent=2) + "\n")
+    (out / "soak.json").write_text(json.dumps({k: v for k, v in record.items() if k != "samples"},
+                                              indent=2) + "\n")
+    memory.write_csv(soak.samples, out / "soak.csv")
     if soak.samples:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(9, 5))
-        for key in keys:
-            series = [(s["completed"], s[key]) for s in soak.samples if key in s]
-            if max(v for _, v in series) >= 20:  # leave out idle models' small stubs
-                ax.plot(*zip(*series), label=key)
-        ax.set_xlabel("requests completed")
-        ax.set_ylabel("MiB (tritonserver: resident; stubs: private)")
-        ax.set_title(f"Soak: {soak.requests} requests at concurrency {soak.concurrency}")
-        ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=7)
-        fig.savefig(out / "soak.png", dpi=100, bbox_inches="tight")
-        plt.close(fig)
+        curves = {}
+        for key in memory.series(soak.samples):
+            points = [(s["completed"], s[key]) for s in soak.samples if key in s]
+            if max(v for _, v in points) >= 20:  # leave out idle models' small stubs
+                curves[key] = tuple(zip(*points))
+        memory.plot(out / "soak.png", curves,
+                    f"Soak: {soak.requests} requests at concurrency {soak.concurrency}",
+                    "requests completed", "MiB (tritonserver: resident; stubs: private)")
     total_sent = sum(soak.sent.values())
     lines = [f"# Soak: {soak.requests} requests at concurrency {soak.concurrency}", "",
              f"`{command}` — {soak.seconds:.0f} s, {total_sent / soak.seconds:.0f} req/s. "
@@ -253,6 +233,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--url", help="gRPC host:port of a running server (default: start one)")
     parser.add_argument("--http-url", help="its HTTP host:port (with --url; for Triton's counts)")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
+    parser.add_argument("--raw", type=Path, default=ROOT / "bench" / "results" / "raw",
+                        help="where the whole record goes, memory samples included (git-ignored)")
     parser.add_argument("--model-repository", type=Path, default=ROOT / "model_repository")
     args = parser.parse_args(argv)
     command = "python -m bench.soak " + " ".join(argv if argv is not None else sys.argv[1:])
@@ -273,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
         with TritonServer(on_free_ports(args.model_repository, log)) as server:
             print(f"server log: {log}", flush=True)
             soak = go(server.grpc_url, server.http_url, server.process.pid)
-    path = report(soak, args.out, command.strip())
+    path = report(soak, args.out, command.strip(), args.raw)
     print(path.read_text())
     return 0 if soak.clean else 1
 

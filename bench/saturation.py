@@ -1,0 +1,109 @@
+"""Far above capacity, `pipeline` over gRPC: synchronous against asyncio clients at up to 1 000
+in flight (`make bench-clients`), and closed-loop clients against the committed admission and a
+shedding variant sized to this host (`make bench-overload`)."""
+
+from __future__ import annotations
+
+import asyncio
+
+from bench import clients, perf
+from bench.common import Context, Result
+from bench.repository import LONG_DEADLINE_PIPELINE, SHEDDING_PIPELINE, variant_specs
+from bls_models import spec as S
+from modelgen import nets
+from tritonlocal import load
+
+
+def client_styles(ctx: Context) -> Result:
+    result = Result("clients", "Synchronous vs asyncio clients at high concurrency (`pipeline`, gRPC)")
+    levels = [10] if ctx.quick else [100, 500, 1000]
+    url = ctx.server.grpc_url
+    result.summary += ["| client | concurrency | requests | throughput (req/s) | p50 / p95 / p99 (ms) "
+                       "| errors | unanswered |", "|---|---|---|---|---|---|---|"]
+    for c in levels:
+        count = 2 * c
+        for label, measured in (
+            ("threads, blocking client", clients.sync_clients(url, "pipeline", c, count)),
+            ("asyncio client", asyncio.run(clients.async_client(url, "pipeline", c, count))),
+        ):
+            p, errors, unanswered = measured
+            result.add(label, p, errors=errors, unanswered=unanswered, requests=count)
+            result.summary.append(f"| {label} | {c} | {count} | {p.throughput:.0f} | {p.p50_ms:.0f} / "
+                                  f"{p.p95_ms:.0f} / {p.p99_ms:.0f} | {errors} | {unanswered} |")
+        # Windows of a fixed request count (2 x concurrency): with 1 000 in flight and
+        # latencies of seconds, 3 s time windows hold too few completions to settle.
+        windows = [] if ctx.quick else ["--measurement-mode", "count_windows",
+                                        "--measurement-request-count", str(2 * c),
+                                        "--stability-percentage", "50", "--max-trials", "5"]
+        run = perf.run(LONG_DEADLINE_PIPELINE, url, [c], ctx.settings,
+                       extra=["--async", *windows])
+        for p in result.add_run("perf_analyzer --async", run):
+            window = "(time windows)" if ctx.quick else f"(windows of {2 * c})"
+            result.summary.append(f"| perf_analyzer --async | {c} | {window} | {p.throughput:.0f} | "
+                                  f"{p.p50_ms:.0f} / {p.p95_ms:.0f} / {p.p99_ms:.0f} | 0 | 0 |")
+    result.summary.append("- A perf_analyzer row exists only for an error-free run: perf_analyzer stops at "
+                          "the first request error, and the report then says so above.")
+    result.summary.append(f"- perf_analyzer cannot set a request timeout, so it drives "
+                          f"`{LONG_DEADLINE_PIPELINE}` (`pipeline` with a 120 s default deadline): "
+                          "the same 120 s budget the project's clients give every request.")
+    result.plot = {"kind": "curve", "title": "Clients: throughput vs p95 latency"}
+    return result
+
+
+def _admission(spec: S.ModelSpec) -> int:
+    """Requests a model takes before refusing: per instance, those in flight, those waiting for
+    a slot and a batch being handed over; times instances, plus its queue in Triton."""
+    per_instance = (int(spec.parameters["max_inflight_requests"])
+                    + int(spec.parameters["max_queued_requests"]) + spec.max_batch_size)
+    return spec.instance_count * per_instance + spec.batching.max_queue_size
+
+
+def overload(ctx: Context) -> Result:
+    result = Result("overload", "Overload: closed-loop clients far above capacity (`pipeline`, gRPC)")
+    levels = [8, 64] if ctx.quick else [16, 64, 256, 1024]
+    seconds = 3.0 if ctx.quick else 20.0
+    backoff = 0.1  # a refused client waits this long before it tries again
+    data = nets.synthetic_images(1, seed=7).numpy()
+    shedding = next(spec for spec, _ in variant_specs(ctx.repository)
+                    if spec.name == SHEDDING_PIPELINE)
+    models = {"pipeline": S.PIPELINE, SHEDDING_PIPELINE: shedding}
+    result.summary += [
+        f"Each client sends its next request as soon as the last is answered ({seconds:.0f} s per "
+        f"level, {backoff * 1e3:.0f} ms pause after an error), with no request timeout: the "
+        "orchestrator's default "
+        f"deadline ({int(S.PIPELINE.parameters['default_deadline_ms']) // 1000} s) applies. "
+        "Refused: UNAVAILABLE because a queue was full; late: the orchestrator's deadline error.",
+        "", "| model (admits at most) | clients | answered/s | answered p50 / p99 (ms) | refused "
+        "| refused p50 / p99 (ms) | late | other errors |", "|---|---|---|---|---|---|---|---|"]
+    for name, spec in models.items():
+        for clients_count in levels:
+            answers = load.closed_loop_for(ctx.server.grpc_url, name, clients_count, data,
+                                              seconds, retry_pause=backoff)
+            wall = max(a.finished for a in answers) - min(a.started for a in answers)
+            ok = [a.seconds for a in answers if a.code is None]
+            refused = [a.seconds for a in answers if a.code and "queue" in a.message.lower()]
+            late = [a for a in answers if a.code and "deadline exceeded" in a.message]
+            other = len(answers) - len(ok) - len(refused) - len(late)
+            p = clients.point(clients_count, ok, wall)
+            r = clients.point(clients_count, refused, wall)
+            result.add(name, p, errors=len(answers) - len(ok), refused=len(refused),
+                       late=len(late), other_errors=other, refused_p50_ms=r.p50_ms,
+                       refused_p99_ms=r.p99_ms, admits=_admission(spec))
+            result.summary.append(
+                f"| `{name}` ({_admission(spec)}) | {clients_count} | {p.throughput:.0f} | "
+                f"{p.p50_ms:.0f} / {p.p99_ms:.0f} | {len(refused)} | "
+                + (f"{r.p50_ms:.0f} / {r.p99_ms:.0f}" if refused else "–")
+                + f" | {len(late)} | {other} |")
+    result.summary += [
+        "",
+        f"- `{SHEDDING_PIPELINE}` is `pipeline` with `max_inflight_requests` 8 and "
+        "`max_queue_size` 16: sized so that what it admits is answered in about a second here. "
+        "Beyond that it refuses at once, and what it admits keeps its latency. A refusal is not "
+        "free: Triton still reads the 150 KB request, and here the retrying clients share the "
+        "server's 2 cores.",
+        "- The committed `pipeline` admits over 5 000 (sized for a GPU host): here, a thousand "
+        "clients all wait, and what cannot be answered within the deadline fails late instead of "
+        "being refused early. Size admission as throughput x acceptable wait "
+        "(docs/configuration.md)."]
+    result.plot = {"kind": "curve", "title": "Overload: answered/s vs p95 of answered requests"}
+    return result
