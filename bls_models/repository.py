@@ -14,6 +14,11 @@ from bls_models import spec as S
 from bls_models.params import Stage
 
 
+def onnx_path(repository: Path, model: S.ModelSpec, version: int = 1) -> Path:
+    """Where ``model``'s ONNX file lies in ``repository`` (modelgen.export writes it there)."""
+    return repository / model.name / str(version) / "model.onnx"
+
+
 def parse_config(text: str):
     """A config.pbtxt's text as Triton's model config loader reads it: protobuf text format into
     ``ModelConfig`` (an unknown field or a bad enum raises). The project's one pbtxt parser."""

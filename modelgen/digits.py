@@ -30,6 +30,7 @@ import numpy as np
 
 from bls_models import cascade
 from bls_models import spec as S
+from bls_models.repository import onnx_path
 
 MODELS = (S.DIGITS_SMALL.name, S.DIGITS_LARGE.name)
 SEEDS = {S.DIGITS_SMALL.name: 20, S.DIGITS_LARGE.name: 21}
@@ -155,11 +156,9 @@ def sessions(repository: Path) -> dict:
     thread each (as served: ``ORT_CPU_PARAMETERS``)."""
     import onnxruntime as ort
 
-    from modelgen import export
-
     options = ort.SessionOptions()
     options.intra_op_num_threads = options.inter_op_num_threads = 1
-    return {name: ort.InferenceSession(str(export.onnx_path(repository, S.model(name))),
+    return {name: ort.InferenceSession(str(onnx_path(repository, S.model(name))),
                                        options, providers=["CPUExecutionProvider"])
             for name in MODELS}
 

@@ -31,6 +31,7 @@ import warnings
 from pathlib import Path
 
 from bls_models import spec as S
+from bls_models.repository import onnx_path
 
 OPSET = 17
 STAMP = ".export-stamp.json"
@@ -47,10 +48,6 @@ def fingerprint(size: str) -> str:
         digest.update(source.read_bytes())
     digest.update(f"{size}|{torch.__version__}|{OPSET}".encode())
     return digest.hexdigest()
-
-
-def onnx_path(repository: Path, model: S.ModelSpec, version: int = 1) -> Path:
-    return repository / model.name / str(version) / "model.onnx"
 
 
 def export_model(model: S.ModelSpec, path: Path, size: str) -> None:

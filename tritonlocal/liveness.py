@@ -48,7 +48,7 @@ import urllib.parse
 import urllib.request
 from dataclasses import dataclass, field
 
-from tritonlocal import procs
+from tritonlocal import procs, reload_state
 
 STUB_BACKENDS = ("python",)
 
@@ -211,7 +211,7 @@ def check(url: str, server_pid: int | None = None, stub_backends=STUB_BACKENDS,
     """``expected`` (model -> instance names, from ``expected_instances``) saves asking the
     server for every config again (a reload by ``tritonlocal.reload`` keeps them). ``retired``:
     stub pids of replaced copies of a model, ignored. ``state``: a reloader's
-    ``tritonlocal.reload.State`` for this server (its retired pids, reloads and failures).
+    ``tritonlocal.reload_state.State`` for this server (its retired pids, reloads and failures).
     ``ready``: also ask ``/v2/health/ready``."""
     if server_pid is None:
         server_pid = the_server()
@@ -293,11 +293,10 @@ def main(argv: list[str] | None = None) -> int:
     given = args.header if args.header is not None else [os.environ.get(
         "TRITONLOCAL_ADMIN_HEADER", "")]
     headers = dict(h.split("=", 1) for h in given if "=" in h)
-    from tritonlocal import reload  # noqa: PLC0415 - reload imports this module
 
     try:
         server_pid = args.server_pid if args.server_pid is not None else the_server()
-        state = reload.State.read(reload.state_path(server_pid, args.state_dir))
+        state = reload_state.State.read(reload_state.state_path(server_pid, args.state_dir))
         report = check(args.url, server_pid, (*STUB_BACKENDS, *args.stub_backend),
                        args.timeout, headers, state=state, ready=args.ready)
     except CheckError as error:
