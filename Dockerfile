@@ -6,7 +6,7 @@
 #   make test-container     # the pytest suite inside the test image, against its own server
 #
 # Written for a host with a Docker engine and NVIDIA GPUs; the development machine has neither,
-# so this file is checked by tests/unit/test_container.py (image tag, non-root user, health
+# so this file is checked by tests/tooling/test_container.py (image tag, non-root user, health
 # check, every COPY source exists), not built there. docs/production.md says what ran where.
 
 ARG TRITON_IMAGE=nvcr.io/nvidia/tritonserver:24.10-py3

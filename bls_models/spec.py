@@ -14,10 +14,16 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from bls_models.definition import (BatchingSpec, EnsembleStep, ModelSpec, PipelineDef,  # noqa: F401
-                                   StageDef, TensorSpec, register)
-from bls_models.params import Param
-from bls_models.params import RealParam
+from bls_models.definition import (
+    BatchingSpec,
+    EnsembleStep,
+    ModelSpec,
+    PipelineDef,
+    StageDef,
+    TensorSpec,
+    register,
+)
+from bls_models.params import Param, RealParam
 
 # ImageNet normalisation applied by `preprocess`.
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
@@ -58,7 +64,7 @@ WINDOW_OVERLAP = 64
 # Instance counts, batching delays and preferred sizes of preprocess, classifier and embedder
 # are the winners of `make bench-tuning` (bench/results/REPORT.md, "Tuning"; measured on the
 # 2-core CPU host with Triton's C++ onnxruntime backend, 2026-11-23); `pipeline` had no winner
-# within its latency budget and keeps 2 instances. tests/unit/test_tuned_values.py keeps them
+# within its latency budget and keeps 2 instances. tests/tooling/test_tuned_values.py keeps them
 # equal to bench/results/tuning.json.
 _LARGE_BATCHES = BatchingSpec(preferred_batch_sizes=(8, 16), max_queue_delay_us=100)
 _SMALL_BATCHES = BatchingSpec(preferred_batch_sizes=(4, 8), max_queue_delay_us=100)

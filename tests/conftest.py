@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 
 from bls_models import spec as S
+from tests.helpers import EXTERNAL
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL_REPOSITORY = Path(os.environ.get("BLS_MODEL_REPOSITORY", ROOT / "model_repository"))
-EXTERNAL = os.environ.get("TRITON_EXTERNAL_SERVER", "")
 # Need the local launcher (their own servers, the wheel's binary), a loopback-only bind, or
 # perf_analyzer, none of which the container's server has: skipped there.
 LOCAL_ONLY = ("test_launcher.py", "test_recovery.py", "test_security.py", "test_perf_analyzer.py",
@@ -97,21 +97,21 @@ def server(repository, fault_repository, tmp_path_factory):
 
 @pytest.fixture
 def serve(repository, tmp_path):
-    """``support.spawn_serve`` whose launchers, servers and stubs are all killed at teardown,
+    """``helpers.spawn_serve`` whose launchers, servers and stubs are all killed at teardown,
     whatever the test did (a launcher that ignored its SIGINT once outlived the suite by an
     hour)."""
-    from tests.live import support
+    from tests import helpers
 
     started = []
 
     def spawn(*extra: str, **kwargs):
-        launcher, ports = support.spawn_serve(repository, tmp_path, *extra, **kwargs)
+        launcher, ports = helpers.spawn_serve(repository, tmp_path, *extra, **kwargs)
         started.append(launcher)
         return launcher, ports
 
     yield spawn
     for launcher in started:
-        support.kill_serve(launcher)
+        helpers.kill_serve(launcher)
 
 
 @pytest.fixture(scope="session")

@@ -25,7 +25,7 @@ from tritonclient.utils import InferenceServerException
 from bls_models import spec as S
 from bls_models.errors import Code, Kind, classify_sub_error, sub_request_failed
 from modelgen import poison, variants
-from tests.live.support import STATUS, image
+from tests.helpers import STATUS, image
 
 PROTOCOLS = ("http", "grpc")
 PIXELS_SHAPE = [1, *S.PIXELS.dims]

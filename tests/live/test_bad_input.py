@@ -20,7 +20,7 @@ import requests
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from bls_models import spec as S
-from tests.live.support import image
+from tests.helpers import image
 
 IMAGE_DIMS = list(S.IMAGE.dims)      # [224, 224, 3]
 TOKEN_DIMS = [S.TAGGER_SEQ_LEN]      # a good document: tag_pipeline takes 1 to max_tokens

@@ -13,7 +13,7 @@ import tritonclient.http as httpclient
 
 from bls_models import spec as S
 from modelgen import digits
-from tests.live.support import assert_served, batch_spread, eventually, settled
+from tests.helpers import assert_served, batch_spread, eventually, settled
 
 BATCH = 16
 THRESHOLD = float(S.CASCADE_THRESHOLD.default)  # as committed in digits_cascade's config
@@ -36,7 +36,7 @@ def spread(models, held_out):
     """How much in-process ONNX Runtime itself moves a probability between batch compositions
     (support.batch_spread): what a served probability may differ by."""
     pixels = held_out[0][:BATCH]
-    return max(batch_spread(lambda x: [digits.probabilities(models[name], x)], pixels,
+    return max(batch_spread(lambda x, name=name: [digits.probabilities(models[name], x)], pixels,
                             S.DIGITS_LARGE.max_batch_size)[0]
                for name in digits.MODELS)
 

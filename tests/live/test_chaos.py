@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 
 from bench import chaos
-from tests.live.support import server_options
+from tests.helpers import server_options
 from tritonlocal import TritonServer
 from tritonlocal.launcher import Supervisor
 

@@ -19,9 +19,7 @@ import tritonclient.grpc as grpcclient
 
 from bls_models import pipelines
 from bls_models import spec as S
-from tests.live.support import SOFTMAX_RTOL, inference_count, request_inputs
-from tests.live.test_pipelines import (client_for, expected_pipeline, images, infer,  # noqa: F401
-                                       onnx)
+from tests.helpers import SOFTMAX_RTOL, expected_pipeline, images, infer, inference_count, request_inputs
 
 CLASSES = ("CLASS_IDS", "CLASS_PROBS")
 SUBSETS = {"classes": CLASSES, "embedding": ("EMBEDDING",), "all": ()}
@@ -63,7 +61,7 @@ def check_outputs(result, expected: dict, asked) -> None:
 @pytest.mark.parametrize("subset", list(SUBSETS))
 @pytest.mark.parametrize("model", ["pipeline", "pipeline_ensemble"])
 def test_requested_outputs_decide_the_stages(model, subset, protocol, client_for, grpc_client,
-                                             onnx):  # noqa: F811
+                                             onnx):
     """Each stage's Triton statistics grow by exactly the rows that needed it; the answers equal
     in-process ONNX Runtime for the outputs asked for."""
     client = client_for(protocol)
@@ -77,7 +75,7 @@ def test_requested_outputs_decide_the_stages(model, subset, protocol, client_for
                     "embedder": 0 if subset == "classes" else 3}, sent
 
 
-def test_a_batch_mixing_subsets_sends_each_stage_the_rows_that_asked(grpc_client, onnx):  # noqa: F811
+def test_a_batch_mixing_subsets_sends_each_stage_the_rows_that_asked(grpc_client, onnx):
     """Requests asking for different outputs, sent at once (so batched together by Triton's
     scheduler where they meet): each is answered what it asked for, and each stage gets exactly
     the rows that needed it, however they were grouped."""
@@ -109,7 +107,7 @@ def document(length: int, seed: int, count: int = 1) -> np.ndarray:
                                                 dtype=np.int64)
 
 
-def windowed(onnx, tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:  # noqa: F811
+def windowed(onnx, tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The reference: the same windows through ``tagger_tags`` in-process, one at a time, each
     token taken from the window whose centre is nearest."""
     count, length = tokens.shape
@@ -131,7 +129,7 @@ def windowed(onnx, tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:  # noqa
 
 @pytest.mark.parametrize("protocol", ["http", "grpc"])
 @pytest.mark.parametrize("length", [1, 511, 512, 513, 1000, S.MAX_TOKENS])
-def test_a_document_of_any_length_is_tagged_token_by_token(length, protocol, client_for, onnx):  # noqa: F811
+def test_a_document_of_any_length_is_tagged_token_by_token(length, protocol, client_for, onnx):
     tokens = document(length, seed=length, count=2)
     result = infer(protocol, client_for(protocol), "tag_pipeline", "TOKENS", tokens, "INT64",
                    ["TAGS", "TAG_PROBS"])
@@ -151,7 +149,7 @@ def test_a_document_of_512_tokens_gets_what_the_tagger_answers_bit_for_bit(grpc_
         assert served.as_numpy(name).tobytes() == direct.as_numpy(name).tobytes(), name
 
 
-def test_windows_over_the_logits_tagger_are_reduced_and_stitched(grpc_client, onnx):  # noqa: F811
+def test_windows_over_the_logits_tagger_are_reduced_and_stitched(grpc_client, onnx):
     tokens = document(1000, seed=5)
     result = infer("grpc", grpc_client, "tag_pipeline_logits", "TOKENS", tokens, "INT64",
                    ["TAGS", "TAG_PROBS"])
@@ -160,7 +158,7 @@ def test_windows_over_the_logits_tagger_are_reduced_and_stitched(grpc_client, on
     np.testing.assert_allclose(result.as_numpy("TAG_PROBS"), probs, rtol=SOFTMAX_RTOL)
 
 
-def test_documents_of_mixed_lengths_sent_at_once_each_get_their_own_tags(grpc_client, onnx):  # noqa: F811
+def test_documents_of_mixed_lengths_sent_at_once_each_get_their_own_tags(grpc_client, onnx):
     """Documents of one length share a group and their windows one sub-request; lengths differ
     between groups, whose sub-requests (all 512-token windows) go out at once."""
     lengths = [1, 600, 512, 1000, 600, 2048, 37, 1000]

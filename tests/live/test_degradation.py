@@ -23,9 +23,9 @@ import pytest
 
 from bls_models import spec as S
 from bls_models.metrics import FLUSH_SECONDS
-from tritonlocal.load import Answer, closed_loop
 from modelgen import variants
-from tests.live.support import assert_on_time, eventually, image, metric, settled, timed_infer
+from tests.helpers import assert_on_time, eventually, image, metric, settled, timed_infer
+from tritonlocal.load import Answer, closed_loop
 
 SLOW_MS = 3000
 DEADLINE = 1.0            # pipeline_slow's default deadline

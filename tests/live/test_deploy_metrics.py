@@ -6,8 +6,16 @@ from __future__ import annotations
 
 import re
 
-from tests.live.support import eventually, image, metric, metrics_text, settled, timed_infer
-from tests.unit.test_deploy import GPU_ONLY, referenced_metrics
+from tests.helpers import (
+    GPU_ONLY,
+    eventually,
+    image,
+    metric,
+    metrics_text,
+    referenced_metrics,
+    settled,
+    timed_infer,
+)
 
 FAILING = 3
 

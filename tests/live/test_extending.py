@@ -4,10 +4,7 @@ answering what ONNX Runtime computes in-process."""
 
 from __future__ import annotations
 
-import re
-import shlex
 import subprocess
-import sys
 
 import numpy as np
 import onnxruntime as ort
@@ -18,26 +15,20 @@ from tritonclient.utils import InferenceServerException
 
 from bls_models import spec as S
 from modelgen import export
-from tests.live.support import (ROOT, STATUS, assert_served, batch_spread, eventually, image,
-                                metrics_text, server_options, settled)
+from tests.helpers import EXTENDING_NAME as NAME
+from tests.helpers import (
+    STATUS,
+    assert_served,
+    batch_spread,
+    eventually,
+    image,
+    metrics_text,
+    page_config_command,
+    page_model_py,
+    server_options,
+    settled,
+)
 from tritonlocal import LauncherError, TritonServer
-
-PAGE = ROOT / "docs" / "extending.md"
-NAME = "image_embedding"
-
-
-def page_model_py() -> str:
-    text = PAGE.read_text()
-    block = text.split("<!-- extending: model.py -->\n```python\n", 1)[1]
-    return block.split("\n```\n", 1)[0] + "\n"
-
-
-def page_config_command() -> list[str]:
-    """The page's `python -m modelgen.configs --pipeline ...` command, run with this Python."""
-    match = re.search(r"^\.venv/bin/python (-m modelgen\.configs --pipeline \S+)$", PAGE.read_text(),
-                      re.MULTILINE)
-    assert match, "docs/extending.md lost its config command"
-    return [sys.executable, *shlex.split(match.group(1))]
 
 
 @pytest.fixture(scope="module")

@@ -35,8 +35,17 @@ from tritonclient.utils import InferenceServerException
 
 from bls_models import spec as S
 from bls_models.metrics import LATENCY_BUCKETS
-from tests.live.support import (METRIC_TIMEOUT, STATUS, image, metric, metrics_text,
-                                request_inputs, server_options, settled, timed_infer)
+from tests.helpers import (
+    METRIC_TIMEOUT,
+    STATUS,
+    image,
+    metric,
+    metrics_text,
+    request_inputs,
+    server_options,
+    settled,
+    timed_infer,
+)
 from tritonlocal import TritonServer
 
 SICK = "CUDA error: an illegal memory access was encountered"  # no item causes that
@@ -180,7 +189,7 @@ async def run(inputs, call, setup):
 def buggy_model_py() -> str:
     """The page's model.py, whose run function leaves NORM out for one kind of image and raises
     for another (bugs the config command's contract check, run on zeros, cannot see)."""
-    from tests.live.test_extending import page_model_py
+    from tests.helpers import page_model_py
 
     text = page_model_py().replace("async def run(inputs, call, setup):",
                                    "async def _run(inputs, call, setup):", 1)
@@ -191,7 +200,8 @@ def buggy_model_py() -> str:
 def test_a_pipeline_with_bugs_answers_internal_on_time_and_stops_at_once(repository, tmp_path):
     import subprocess
 
-    from tests.live.test_extending import NAME, page_config_command
+    from tests.helpers import EXTENDING_NAME as NAME
+    from tests.helpers import page_config_command
 
     repo = tmp_path / "model_repository"
     repo.mkdir()

@@ -17,7 +17,7 @@ import pytest
 
 from bls_models import spec as S
 from modelgen import export
-from tests.conftest import EXTERNAL
+from tests.helpers import EXTERNAL
 from tritonlocal.runtime import free_ports
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -17,8 +17,17 @@ from tritonclient.utils import InferenceServerException
 from bls_models import pipelines
 from bls_models import spec as S
 from modelgen import export
-from tests.live.support import (SLACK, STATUS, assert_served, batch_spread, eventually, image,
-                                metric, request_inputs, settled)
+from tests.helpers import (
+    SLACK,
+    STATUS,
+    assert_served,
+    batch_spread,
+    eventually,
+    image,
+    metric,
+    request_inputs,
+    settled,
+)
 
 COALESCED = "pipeline"  # as committed
 DISTINCT = 50  # distinct images, cycled over the burst: neighbours in a group always differ

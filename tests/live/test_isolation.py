@@ -20,7 +20,7 @@ from tritonclient.utils import InferenceServerException
 
 from bls_models import spec as S
 from modelgen import poison
-from tests.live.support import STATUS, image, request_inputs
+from tests.helpers import STATUS, image, request_inputs
 
 ROUNDS = 3
 POISONED = "pipeline_poison_embedder"

@@ -17,8 +17,8 @@ import pytest
 import tritonclient.grpc as grpcclient
 
 from bls_models import spec as S
-from tests.live.support import PYTHON_MODEL, make_repository, mixed_repository
-from tests.live.support import server_options as options
+from tests.helpers import PYTHON_MODEL, make_repository, mixed_repository
+from tests.helpers import server_options as options
 from tritonlocal import LauncherError, TritonServer
 from tritonlocal.launcher import kill_orphaned_stubs, remove_stale_regions, shm_regions
 
@@ -246,7 +246,7 @@ def test_tracing_on_does_not_crash_the_orchestrators(repository, tmp_path):
     """
     import json
 
-    from tests.live.support import timed_infer, image
+    from tests.helpers import image, timed_infer
 
     trace_file = tmp_path / "trace.json"
     opts = options(repository, tmp_path, extra_args=[
@@ -274,7 +274,7 @@ def test_shutdown_drains_requests_in_flight(repository, fault_repository, tmp_pa
     began is refused, as it should be."""
     import threading
 
-    from tests.live.support import eventually, timed_infer, image
+    from tests.helpers import eventually, image, timed_infer
 
     opts = options(repository, tmp_path, extra_args=[f"--model-repository={fault_repository}"])
     launcher = TritonServer(opts)

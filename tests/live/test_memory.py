@@ -29,7 +29,7 @@ import statistics
 import numpy as np
 
 from bls_models import spec as S
-from tests.live.support import drive, image, memory, stub_pids
+from tests.helpers import drive, image, memory, stub_pids
 
 PRIVATE_BOUND_MIB = 64
 GROWTH_STEP_MIB = 16  # shm-growth-byte-size (tritonlocal.shm)

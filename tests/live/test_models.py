@@ -12,8 +12,7 @@ import tritonclient.http as httpclient
 
 from bls_models import spec as S
 from modelgen import export
-from tests.live.support import assert_served, batch_spread
-
+from tests.helpers import assert_served, batch_spread
 
 
 def random_input(model: S.ModelSpec, batch: int, seed: int) -> np.ndarray:

@@ -1,5 +1,6 @@
 """How the BLS orchestrators behave under slow, failing and crashing sub-models, cancellation and
-load — against the real server, with the test-only fault models (modelgen/fault_model.py, modelgen/variants.py).
+load — against the real server, with the test-only fault models (modelgen/fault_model.py,
+modelgen/variants.py).
 
 The only timing assertions are behaviour the orchestrator promises: an error on time after the
 deadline (``support.assert_on_time``: the median within 50 ms, all but one within 250 ms and
@@ -21,9 +22,20 @@ import tritonclient.grpc as grpcclient
 from bls_models import spec as S
 from bls_models.definition import registered
 from bls_models.metrics import FAMILIES, known_series
-from tests.live.support import (SLACK, STATUS, assert_on_time, drive, eventually, image,
-                                inference_count, metric, metrics_text, request_inputs, settled,
-                                timed_infer)
+from tests.helpers import (
+    SLACK,
+    STATUS,
+    assert_on_time,
+    drive,
+    eventually,
+    image,
+    inference_count,
+    metric,
+    metrics_text,
+    request_inputs,
+    settled,
+    timed_infer,
+)
 
 REPEATS = 3  # requests per on-time check: their median is held to the promise (support.ON_TIME)
 

@@ -4,52 +4,17 @@ and the ensemble gives the same answers as the BLS pipeline."""
 from __future__ import annotations
 
 import numpy as np
-import onnxruntime as ort
 import pytest
-import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 
 from bls_models import pipelines
 from bls_models import spec as S
-from modelgen import export, nets
-from tests.live.support import SOFTMAX_RTOL, assert_served, batch_spread
-
-
-@pytest.fixture(scope="module")
-def onnx(repository):
-    sessions = {m.name: ort.InferenceSession(str(export.onnx_path(repository, m)),
-                                             providers=["CPUExecutionProvider"])
-                for m in S.ONNX_MODELS}
-
-    def run(model: str, **feeds):
-        return sessions[model].run(None, feeds)
-
-    return run
-
-
-def images(count: int, seed: int) -> np.ndarray:
-    return nets.synthetic_images(count, seed=seed).numpy()
+from tests.helpers import SOFTMAX_RTOL, assert_served, batch_spread, expected_pipeline, images, infer
 
 
 def tokens(count: int, seed: int) -> np.ndarray:
     rng = np.random.default_rng(seed)
     return rng.integers(0, S.TAGGER_VOCAB, (count, S.TAGGER_SEQ_LEN), dtype=np.int64)
-
-
-def expected_pipeline(onnx, image: np.ndarray) -> dict[str, np.ndarray]:
-    (pixels,) = onnx("preprocess", IMAGE=image)
-    (logits,) = onnx("classifier", PIXELS=pixels)
-    (embedding,) = onnx("embedder", PIXELS=pixels)
-    ids, probs = pipelines.softmax_top_k(logits)
-    return {"CLASS_IDS": ids, "CLASS_PROBS": probs, "EMBEDDING": embedding}
-
-
-def infer(protocol, client, model, name, data, dtype, outputs, **kwargs):
-    module = httpclient if protocol == "http" else grpcclient
-    tensor = module.InferInput(name, list(data.shape), dtype)
-    tensor.set_data_from_numpy(data)
-    wanted = [module.InferRequestedOutput(o) for o in outputs]
-    return client.infer(model, [tensor], outputs=wanted, **kwargs)
 
 
 IMAGE_OUTPUTS = ("CLASS_IDS", "CLASS_PROBS", "EMBEDDING")
@@ -72,11 +37,6 @@ def check_image_result(result, onnx, image, softmax_in_onnx: bool = False):
                       spreads["CLASS_PROBS"], "CLASS_PROBS")
     assert_served(result.as_numpy("EMBEDDING"), expected["EMBEDDING"], spreads["EMBEDDING"],
                   "EMBEDDING")
-
-
-@pytest.fixture
-def client_for(http_client, grpc_client):
-    return lambda protocol: http_client if protocol == "http" else grpc_client
 
 
 @pytest.mark.parametrize("protocol", ["http", "grpc"])

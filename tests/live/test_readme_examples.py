@@ -8,7 +8,7 @@ import io
 
 import numpy as np
 
-from tests.live.support import ROOT
+from tests.helpers import ROOT
 
 MARKER = "<!-- readme: control-flow example -->\n```python\n"
 

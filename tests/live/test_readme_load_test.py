@@ -59,7 +59,7 @@ def test_each_perf_analyzer_command_runs(server, index):
 
 
 def test_the_metrics_command_shows_the_orchestrators_counts(server, grpc_client):
-    from tests.live.support import image, timed_infer
+    from tests.helpers import image, timed_infer
 
     assert timed_infer(grpc_client, "grpc", "pipeline", image(3)).error is None
     (command,) = [c for c in readme_commands() if "/metrics" in c]

@@ -25,10 +25,9 @@ import tritonclient.grpc as grpcclient
 
 from bench.recovery import kill_under_load
 from bls_models import spec as S
-from tests.live.support import PYTHON_MODEL, image, server_options, timed_infer
-from tritonlocal import TritonServer
+from tests.helpers import PYTHON_MODEL, image, server_options, timed_infer
+from tritonlocal import TritonServer, procs, reload
 from tritonlocal.launcher import Supervisor
-from tritonlocal import procs, reload
 from tritonlocal.liveness import server_pids, stubs_of
 
 ROOT = Path(__file__).resolve().parents[2]

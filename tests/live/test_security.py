@@ -124,14 +124,14 @@ def test_every_admin_api_refuses_grpc_calls_without_the_credential(server, regio
     client = grpcclient.InferenceServerClient(server.grpc_url)
     try:
         calls = grpc_calls(client, region)
-        for api, call, safe in calls:
+        for api, call, _safe in calls:
             # Without it, with a wrong value, and with the HTTP form of the right one.
             for headers in ({}, grpc_form({flags.ADMIN_HEADER: "0" * 64}), server.admin_headers):
                 with pytest.raises(InferenceServerException) as refused:
                     call(headers)
                 assert "restricted" in str(refused.value), (api, refused.value)
                 assert str(refused.value.status()) == "StatusCode.UNAVAILABLE"
-        for api, call, safe in calls:
+        for _api, call, safe in calls:
             if safe:
                 call(grpc_form(server.admin_headers))  # raises if refused
         assert client.is_model_ready("preprocess")

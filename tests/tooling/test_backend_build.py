@@ -247,7 +247,8 @@ def test_the_gpu_description_keys_every_gpu_input(gpu_inputs, inputs, monkeypatc
 
 def test_cuda_13_architectures_replace_backend_r24_10s_list_after_it_is_set(tmp_path):
     arguments = B.gpu_cmake_arguments(tmp_path / "cuda", tmp_path)
-    include = next(a.split("=", 1)[1] for a in arguments if a.startswith("-DCMAKE_PROJECT_tritonbackend_INCLUDE="))
+    include = next(a.split("=", 1)[1] for a in arguments
+                   if a.startswith("-DCMAKE_PROJECT_tritonbackend_INCLUDE="))
     text = Path(include).read_text()
     assert "cmake_language(DEFER CALL set_target_properties kernel_library_new" in text
     assert all(int(a.split("-")[0]) >= 75 for a in B.CUDA_ARCHITECTURES.split(";"))

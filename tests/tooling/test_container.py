@@ -641,7 +641,7 @@ def test_the_images_python_files_include_what_its_scripts_run():
     files = {str(f.relative_to(ROOT)) for f in image_python_files()}
     for expected in ("bls_models/triton_runtime.py", "modelgen/profiles.py", "tritonlocal/flags.py",
                      "scripts/build_trt_engines.py", "scripts/check_image.py",
-                     "tests/unit/test_container.py", "model_repository/pipeline/1/model.py"):
+                     "tests/tooling/test_container.py", "model_repository/pipeline/1/model.py"):
         assert expected in files
 
 

@@ -18,14 +18,13 @@ import pytest
 import yaml
 
 from bls_models.metrics import FAMILIES
+from tests.helpers import referenced_metrics
 from tritonlocal import flags
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
 KUBERNETES = DEPLOY / "kubernetes"
 DASHBOARD = DEPLOY / "grafana" / "triton-bls-dashboard.json"
-# Triton metrics that exist only on a GPU host (not exported by the CPU server here).
-GPU_ONLY = {"nv_gpu_utilization", "nv_gpu_memory_used_bytes", "nv_gpu_memory_total_bytes"}
 # Triton's counters that are wrong for an orchestrator (its execute() hands requests off and
 # returns None, so r24.10's PbMetricReporter reports each a success, with execute()'s hand-off as
 # its compute time; docs/operations.md, "Triton's own counters and the orchestrators"). A query
@@ -69,12 +68,6 @@ def every_document() -> list[tuple[str, dict]]:
 def container() -> dict:
     (only,) = documents()["Deployment"]["spec"]["template"]["spec"]["containers"]
     return only
-
-
-def referenced_metrics() -> set[str]:
-    texts = [DASHBOARD.read_text(), (KUBERNETES / "prometheus-adapter-rules.yaml").read_text(),
-             (KUBERNETES / "hpa.yaml").read_text()]
-    return set(re.findall(r"\b((?:nv|bls)_[a-z_]+)\b", "\n".join(texts)))
 
 
 def test_every_manifest_parses_and_the_kustomization_lists_them_all_but_the_secret():

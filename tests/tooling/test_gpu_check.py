@@ -15,7 +15,7 @@ import pytest
 from bench import gpu_check as G
 from bench import report
 from modelgen import configs
-from tests.unit.test_gpu_mode import path_without_nvidia_smi
+from tests.helpers import path_without_nvidia_smi
 
 ROOT = Path(__file__).resolve().parents[2]
 STRICT = G.TOLERANCES["gpu"]

@@ -61,7 +61,8 @@ def test_a_port_in_use_is_named():
         holder.bind(("127.0.0.1", 0))
         holder.listen()
         port = holder.getsockname()[1]
-        with pytest.raises(LauncherError, match=rf"grpc port {port} on 127\.0\.0\.1 is already in use.*GRPC_PORT"):
+        with pytest.raises(LauncherError,
+                           match=rf"grpc port {port} on 127\.0\.0\.1 is already in use.*GRPC_PORT"):
             runtime.check_ports_free("127.0.0.1", {"http": runtime.free_ports(1)[0], "grpc": port})
 
 

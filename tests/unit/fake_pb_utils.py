@@ -335,7 +335,7 @@ class FakePbUtils:
                 fake.enter("MetricFamily")
                 self.name = name
 
-            def Metric(self, labels, buckets=None):  # noqa: N802 - pb_utils' name
+            def Metric(self, labels, buckets=None):
                 fake.enter("metric", ipc=True)
                 fake.faults.check("metric")
                 return _Metric(fake, (self.name, *sorted(labels.items())))
@@ -450,7 +450,7 @@ class FakePbUtils:
 
     # -- what tests read ----------------------------------------------------------------------
     @staticmethod
-    def PreferredMemory(kind, device):  # noqa: N802 - pb_utils' name
+    def PreferredMemory(kind, device):
         return (kind, device)
 
     def get_input_tensor_by_name(self, request: Request, name: str):

@@ -13,11 +13,9 @@ import pytest
 
 from bls_models import params
 from bls_models.triton_runtime import Orchestrator
+from tests.helpers import REPOSITORY, SLACK, committed_config, orchestrator, wait_answered
 from tests.unit.fake_pb_utils import FakePbUtils, Request
 from tests.unit.row_models import DirectedRowModels, exact, image_of
-from tests.unit.support import REPOSITORY, committed_config, orchestrator, wait_answered
-
-SLACK = 0.25  # tests/live/support.SLACK: what a busy 2-core host may add to a promise about time
 
 
 @pytest.fixture

@@ -15,11 +15,9 @@ import pytest
 
 from bls_models import spec as S
 from bls_models.metrics import FLUSH_SECONDS, HISTOGRAM_FLUSH_SECONDS, Metrics
+from tests.helpers import SLACK, image_inputs, orchestrator, settled_metric, sub_models, wait_answered
 from tests.unit.fake_pb_utils import FakePbUtils, Request
 from tests.unit.row_models import DirectedRowModels, exact, image_of
-from tests.unit.support import image, orchestrator, settled_metric, sub_models, wait_answered
-
-SLACK = 0.25  # what a busy 2-core host may add to a promise about time (tests/live/support.SLACK)
 
 
 def answer(request: Request):
@@ -89,8 +87,8 @@ def test_a_request_waiting_for_a_slot_is_answered_when_its_deadline_passes(made,
     pb = FakePbUtils(sub_models())
     made.append(orch := orchestrator(pb, max_inflight_requests="1", max_queued_requests=queued,
                                      return_within_ms="20"))
-    blocker = Request(image(), request_id="classifier=1.0")
-    late = Request(image(), request_id="late", timeout_us=200_000)
+    blocker = Request(image_inputs(), request_id="classifier=1.0")
+    late = Request(image_inputs(), request_id="late", timeout_us=200_000)
     pb.execute(orch, [blocker])
     sent = time.monotonic()
     execute_in_thread(pb, orch, [late])
@@ -110,8 +108,8 @@ def test_the_deadline_and_the_latency_count_the_wait_for_a_slot(made, queued):
     their recorded latency start when execute got them, not when they got a slot."""
     pb = FakePbUtils(sub_models())
     made.append(orch := orchestrator(pb, max_inflight_requests="1", max_queued_requests=queued))
-    slow = Request(image(), request_id="classifier=0.5")
-    follower = Request(image(), request_id="follower", timeout_us=700_000)
+    slow = Request(image_inputs(), request_id="classifier=0.5")
+    follower = Request(image_inputs(), request_id="follower", timeout_us=700_000)
     sent = time.monotonic()
     execute_in_thread(pb, orch, [slow, follower])
     wait_answered([slow, follower])
@@ -129,7 +127,7 @@ def test_a_request_whose_sender_cannot_be_had_is_answered_through_executes_list(
     answered INTERNAL through execute's return value at once, the others as usual."""
     pb = FakePbUtils(sub_models())
     made.append(orch := orchestrator(pb, return_within_ms="20"))
-    requests = [Request(image(), request_id=f"r{i};classifier=0.2", outputs=[["EMBEDDING"],
+    requests = [Request(image_inputs(), request_id=f"r{i};classifier=0.2", outputs=[["EMBEDDING"],
                                                                              ["CLASS_IDS"]][i % 2])
                 for i in range(3)]
     pb.faults.plan("get_response_sender", "once", after=1)
@@ -146,7 +144,7 @@ def test_a_request_whose_sender_cannot_be_had_is_answered_through_executes_list(
 def test_a_send_that_raises_is_counted_and_execute_goes_on(made):
     pb = FakePbUtils(sub_models())
     made.append(orch := orchestrator(pb, return_within_ms="0"))
-    requests = [Request(image(), request_id=f"r{i}") for i in range(3)]
+    requests = [Request(image_inputs(), request_id=f"r{i}") for i in range(3)]
     pb.faults.plan("send", "once")
     pb.execute(orch, requests)
     wait_answered(requests)
@@ -179,8 +177,8 @@ def test_a_sub_requests_timeout_is_the_budget_left_when_it_is_sent(made):
     and its preprocess's Triton timeout is what is left of its 2 s then, not 2 s."""
     pb = FakePbUtils(sub_models())
     made.append(orch := orchestrator(pb, subrequest_threads="1", return_within_ms="20"))
-    first = Request(image(), request_id="first;preprocess=0.5")
-    second = Request(image(), request_id="second", timeout_us=2_000_000)
+    first = Request(image_inputs(), request_id="first;preprocess=0.5")
+    second = Request(image_inputs(), request_id="second", timeout_us=2_000_000)
     arrived = time.monotonic()
     pb.execute(orch, [first])
     pb.execute(orch, [second])
@@ -201,7 +199,7 @@ def test_a_bug_in_a_reduce_is_internal_not_the_clients_fault_and_is_not_resent(m
         return {"LOGITS": outputs["LOGITS"][:, 600:601][np.array([600])]}
 
     orch.run = functools.partial(image_run, reduce=buggy)
-    requests = [Request(image(), request_id=f"r{i}") for i in range(4)]
+    requests = [Request(image_inputs(), request_id=f"r{i}") for i in range(4)]
     pb.execute(orch, requests)
     wait_answered(requests)
     for request in requests:
@@ -219,7 +217,7 @@ def test_a_request_that_cannot_be_read_is_internal_not_invalid_arg(made):
     pb = FakePbUtils(sub_models())
     made.append(orch := orchestrator(pb))
     pb.faults.plan("get_input_tensor_by_name", "once")
-    request = Request(image())
+    request = Request(image_inputs())
     pb.execute(orch, [request])
     error = answer(request).error()
     assert error.code() == pb.TritonError.INTERNAL and "injected" not in error.message()
@@ -292,7 +290,7 @@ def test_no_lock_is_held_across_a_round_trip_to_the_server(made):
     pb = FakePbUtils(sub_models())
     made.append(orch := orchestrator(pb, return_within_ms="0"))
     pb.forbidden_locks.append(orch.backend.lock)
-    requests = [Request(image(), request_id=f"r{i};preprocess=0.05") for i in range(6)]
+    requests = [Request(image_inputs(), request_id=f"r{i};preprocess=0.05") for i in range(6)]
     pb.execute(orch, requests)
     wait_answered(requests)
     time.sleep(2 * FLUSH_SECONDS)
@@ -306,7 +304,7 @@ def test_metrics_survive_a_failed_publication_and_lose_nothing(made):
     made.append(orch := orchestrator(pb))
     pb.faults.plan("metric", "once")
     for round_ in range(3):
-        requests = [Request(image(), request_id=f"{round_}.{i}") for i in range(5)]
+        requests = [Request(image_inputs(), request_id=f"{round_}.{i}") for i in range(5)]
         pb.execute(orch, requests)
         wait_answered(requests)
         time.sleep(2 * FLUSH_SECONDS)
@@ -323,7 +321,7 @@ def test_shutdown_cleans_up_on_every_path_even_when_an_answer_is_slow_to_send(mo
     monkeypatch.setattr(triton_runtime, "SHUTDOWN_DRAIN_SECONDS", 0.2)
     pb = FakePbUtils(sub_models())
     orch = orchestrator(pb, return_within_ms="20")
-    stuck = Request(image(), request_id="classifier=0.6")
+    stuck = Request(image_inputs(), request_id="classifier=0.6")
     stuck.sender.delay = 1.0
     pb.execute(orch, [stuck])
     pb.finalize(orch)
@@ -343,7 +341,7 @@ def test_a_sub_request_still_out_after_finalize_makes_no_pb_utils_call(monkeypat
     monkeypatch.setattr(triton_runtime, "SHUTDOWN_THREADS_SECONDS", 0.1)
     pb = FakePbUtils(sub_models())
     orch = orchestrator(pb, return_within_ms="20")
-    request = Request(image(), request_id="embedder=0.8")
+    request = Request(image_inputs(), request_id="embedder=0.8")
     pb.execute(orch, [request])
     time.sleep(0.05)
     pb.finalize(orch)

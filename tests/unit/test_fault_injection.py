@@ -26,11 +26,10 @@ import time
 import numpy as np
 import pytest
 
+from tests.helpers import SLACK, counted, orchestrator
 from tests.unit.fake_pb_utils import FakePbUtils, Request
 from tests.unit.row_models import POISON, DirectedRowModels, code_of, exact, image_of
-from tests.unit.support import counted, orchestrator
 
-SLACK = 0.25  # tests/live/support.SLACK: what a busy 2-core host may add to a promise about time
 DEFAULT_DEADLINE = 2.0
 
 CALLS = ("get_input_tensor_by_name", "as_numpy", "get_response_sender", "request_id", "timeout",

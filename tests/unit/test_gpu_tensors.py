@@ -67,7 +67,7 @@ class FakePb:
         self.Tensor, self.InferenceRequest = Tensor, InferenceRequest
 
     @staticmethod
-    def PreferredMemory(kind, device):  # noqa: N802 - pb_utils' name
+    def PreferredMemory(kind, device):
         return (kind, device)
 
     def get_output_tensor_by_name(self, response, name):
@@ -166,13 +166,13 @@ def test_kept_outputs_stay_on_the_gpu_that_produced_them_not_on_gpu_0(made, repo
     names no device for PIXELS, so Triton leaves it in that instance's own GPU memory; naming
     GPU 0 (as before) put every image's PIXELS on GPU 0, with a device-to-device copy from the
     others. The orchestrator's own device id cannot help: KIND_CPU instances all report 0."""
+    from tests.helpers import image_inputs, sub_models, wait_answered
     from tests.unit.fake_pb_utils import FakePbUtils, Request
-    from tests.unit.support import image, sub_models, wait_answered
 
     pb = FakePbUtils(sub_models())
     made.append(orchestrator := gpu_orchestrator(pb, repository, tmp_path, device_id))
     assert orchestrator.pass_through == {"preprocess": ("PIXELS",)}
-    request = Request(image(2), request_id="r")
+    request = Request(image_inputs(2), request_id="r")
     pb.execute(orchestrator, [request])
     wait_answered([request])
     (response,) = request.answers
@@ -184,12 +184,12 @@ def test_kept_outputs_stay_on_the_gpu_that_produced_them_not_on_gpu_0(made, repo
 
 
 def test_without_gpu_tensors_every_output_is_asked_for_in_cpu_memory(made, repository, tmp_path):
+    from tests.helpers import image_inputs, sub_models, wait_answered
     from tests.unit.fake_pb_utils import FakePbUtils, Request
-    from tests.unit.support import image, sub_models, wait_answered
 
     pb = FakePbUtils(sub_models())
     made.append(orchestrator := gpu_orchestrator(pb, repository, tmp_path, "0", gpu_tensors="off"))
-    request = Request(image(), request_id="r")
+    request = Request(image_inputs(), request_id="r")
     pb.execute(orchestrator, [request])
     wait_answered([request])
     cpu = pb.PreferredMemory(pb.TRITONSERVER_MEMORY_CPU, 0)

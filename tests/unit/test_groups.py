@@ -10,11 +10,9 @@ import time
 import numpy as np
 
 from bls_models import spec as S
+from tests.helpers import SLACK, orchestrator, wait_answered
 from tests.unit.fake_pb_utils import FakePbUtils, Request
 from tests.unit.row_models import DirectedRowModels, code_of, exact, expected, image_of
-from tests.unit.support import orchestrator, wait_answered
-
-SLACK = 0.25  # tests/live/support.SLACK
 
 
 def counting(run, counter: list):

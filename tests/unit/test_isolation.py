@@ -15,10 +15,9 @@ import numpy as np
 from bls_models import spec as S
 from bls_models.errors import InvalidInput
 from bls_models.isolation import BACKLOG_GROUPS, Memo
+from tests.helpers import committed_config, counted, orchestrator, wait_answered
 from tests.unit.fake_pb_utils import FakePbUtils, Request, SubModelError
-from tests.unit.row_models import (ITEM_ERROR, POISON, STAGE_ERROR, DirectedRowModels, code_of,
-                                   exact, image_of)
-from tests.unit.support import committed_config, counted, orchestrator, wait_answered
+from tests.unit.row_models import ITEM_ERROR, POISON, STAGE_ERROR, DirectedRowModels, code_of, exact, image_of
 
 
 def answered_codes(requests) -> list[str]:

@@ -1,11 +1,10 @@
 """Metrics batching (pure logic, with a recording stand-in for pb_utils' metric classes)."""
 
-from bls_models.errors import Code, Kind
 import math
 
 from bls_models.backend import Backend
-from bls_models.metrics import (FAMILIES, LATENCY_BUCKETS, REQUEST_CODES, Metrics, exposed,
-                                known_series)
+from bls_models.errors import Code, Kind
+from bls_models.metrics import FAMILIES, LATENCY_BUCKETS, REQUEST_CODES, Metrics, exposed, known_series
 
 
 class _Recorded:
@@ -25,7 +24,7 @@ class _Family:
     def __init__(self, name, description, kind, log=None):
         self.name, self.log = name, log
 
-    def Metric(self, labels, buckets=None):  # noqa: N802 - pb_utils' name
+    def Metric(self, labels, buckets=None):
         self.created.append((self.name, tuple(sorted(labels.items()))))
         return _Recorded(self.log, (self.name, tuple(sorted(labels.items()))))
 

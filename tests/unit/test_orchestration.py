@@ -13,8 +13,15 @@ from bls_models import flow, params, pipelines
 from bls_models import spec as S
 from bls_models.deadline import Deadline
 from bls_models.definition import Setup, registered
-from bls_models.errors import (Code, DeadlineExceeded, InvalidInput, Kind, PipelineError,
-                               classify_sub_error, sub_request_failed)
+from bls_models.errors import (
+    Code,
+    DeadlineExceeded,
+    InvalidInput,
+    Kind,
+    PipelineError,
+    classify_sub_error,
+    sub_request_failed,
+)
 
 
 class FakeSubModels:

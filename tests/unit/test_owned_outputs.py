@@ -10,8 +10,8 @@ import numpy as np
 
 from bls_models import spec as S
 from bls_models.backend import owns_memory
+from tests.helpers import image_inputs, orchestrator, sub_models, wait_answered
 from tests.unit.fake_pb_utils import FakePbUtils, Request
-from tests.unit.support import image, orchestrator, sub_models, wait_answered
 
 
 def test_numpy_allocations_and_views_of_them_are_owned():
@@ -56,7 +56,7 @@ def _embedder_answers(owned: bool):
 def _answered_embedding(made, models, request_id: str) -> np.ndarray:
     pb = FakePbUtils(models)
     made.append(orch := orchestrator(pb))
-    request = Request(image(1), request_id=request_id)
+    request = Request(image_inputs(1), request_id=request_id)
     pb.execute(orch, [request])
     wait_answered([request])
     (response,) = request.answers

@@ -10,11 +10,16 @@ import time
 import numpy as np
 
 from bls_models import spec as S
+from tests.helpers import (
+    SLACK,
+    counted,
+    image_inputs,
+    orchestrator,
+    settled_metric,
+    sub_models,
+    wait_answered,
+)
 from tests.unit.fake_pb_utils import FakePbUtils, Request
-from tests.unit.support import (counted, image, orchestrator, settled_metric, sub_models,
-                                wait_answered)
-
-SLACK = 0.25  # tests/live/support.SLACK: what a busy 2-core host may add to a promise about time
 
 
 def answer(request: Request):
@@ -25,7 +30,7 @@ def answer(request: Request):
 def test_each_request_is_answered_once_with_its_outputs_returned_from_execute(made, long_hold):
     pb = FakePbUtils(sub_models())
     made.append(orch := orchestrator(pb))
-    requests = [Request(image(1 + i % 3), request_id=f"r{i}") for i in range(30)]
+    requests = [Request(image_inputs(1 + i % 3), request_id=f"r{i}") for i in range(30)]
     for start in range(0, 30, 7):  # several execute calls, as Triton batches them
         returned = pb.execute(orch, requests[start:start + 7])
         assert returned is not None and all(r is not None for r in returned)
@@ -50,7 +55,7 @@ def test_the_normal_path_makes_no_round_trip_of_its_own(made, long_hold):
     sub-requests and one message back are all (metrics go out every 0.2 s, not per request)."""
     pb = FakePbUtils(sub_models())
     made.append(orch := orchestrator(pb))
-    requests = [Request(image(), request_id=f"r{i}") for i in range(4)]
+    requests = [Request(image_inputs(), request_id=f"r{i}") for i in range(4)]
     pb.execute(orch, requests)
     for name in ("get_response_sender", "is_cancelled", "send"):
         assert pb.faults.calls[name] == 0, name
@@ -60,7 +65,7 @@ def test_the_normal_path_makes_no_round_trip_of_its_own(made, long_hold):
 def test_a_deadline_both_branches_miss_is_answered_on_time_and_counted_once(made):
     pb = FakePbUtils(sub_models())
     made.append(orch := orchestrator(pb))
-    request = Request(image(), request_id="classifier=0.6;embedder=0.6", timeout_us=200_000)
+    request = Request(image_inputs(), request_id="classifier=0.6;embedder=0.6", timeout_us=200_000)
     started = time.monotonic()
     pb.execute(orch, [request])
     wait_answered([request])
@@ -83,7 +88,7 @@ def test_a_deadline_both_branches_miss_is_answered_on_time_and_counted_once(made
 def test_a_batch_slower_than_the_hold_is_answered_through_its_senders(made):
     pb = FakePbUtils(sub_models())
     made.append(orch := orchestrator(pb, return_within_ms="50"))
-    slow = Request(image(), request_id="slow;classifier=0.3")
+    slow = Request(image_inputs(), request_id="slow;classifier=0.3")
     started = time.monotonic()
     assert pb.execute(orch, [slow]) is None
     assert time.monotonic() - started < 0.05 + SLACK, "execute held its instance"
@@ -96,7 +101,7 @@ def test_a_batch_slower_than_the_hold_is_answered_through_its_senders(made):
 def test_a_cancelled_request_stops_before_its_next_stages_and_is_counted_once(made):
     pb = FakePbUtils(sub_models())
     made.append(orch := orchestrator(pb, return_within_ms="50"))
-    request = Request(image(), request_id="preprocess=0.3")
+    request = Request(image_inputs(), request_id="preprocess=0.3")
     pb.execute(orch, [request])
     time.sleep(0.1)
     request.sender.cancelled.set()  # the client goes away while preprocess runs
@@ -111,8 +116,8 @@ def test_a_cancelled_request_stops_before_its_next_stages_and_is_counted_once(ma
 def test_a_request_that_waited_for_a_slot_is_checked_before_its_first_stage(made):
     pb = FakePbUtils(sub_models())
     made.append(orch := orchestrator(pb, max_inflight_requests="1"))
-    first = Request(image(), request_id="classifier=0.3")
-    late = Request(image())
+    first = Request(image_inputs(), request_id="classifier=0.3")
+    late = Request(image_inputs())
     late.sender.cancelled.set()  # cancelled while it waited behind the first for a slot
     pb.execute(orch, [first, late])
     wait_answered([first, late])
@@ -127,9 +132,9 @@ def test_execute_does_not_hold_its_instance_for_requests_waiting_for_a_slot(made
     answered at its deadline."""
     pb = FakePbUtils(sub_models())
     made.append(orch := orchestrator(pb, max_inflight_requests="2", return_within_ms="50"))
-    blockers = [Request(image(), request_id=f"b{i};classifier=1.0") for i in range(2)]
+    blockers = [Request(image_inputs(), request_id=f"b{i};classifier=1.0") for i in range(2)]
     pb.execute(orch, blockers)
-    waiting = [Request(image(), request_id=f"w{i}", timeout_us=300_000) for i in range(6)]
+    waiting = [Request(image_inputs(), request_id=f"w{i}", timeout_us=300_000) for i in range(6)]
     started = time.monotonic()
     assert pb.execute(orch, waiting) is None
     assert time.monotonic() - started < 0.05, "execute waited for answers that could not come"
@@ -143,7 +148,7 @@ def test_execute_does_not_hold_its_instance_for_requests_waiting_for_a_slot(made
 def test_a_failing_sub_model_fails_its_request_with_internal_naming_the_stage(made):
     pb = FakePbUtils(sub_models(fail={"embedder"}))
     made.append(orch := orchestrator(pb))
-    request = Request(image())
+    request = Request(image_inputs())
     pb.execute(orch, [request])
     wait_answered([request])
     assert answer(request).error().code() == pb.TritonError.INTERNAL
@@ -154,7 +159,7 @@ def test_a_failing_sub_model_fails_its_request_with_internal_naming_the_stage(ma
 def test_a_stage_timeout_caps_its_sub_request(made):
     pb = FakePbUtils(sub_models())
     made.append(orch := orchestrator(pb, classifier_timeout_ms="100"))
-    request = Request(image(), request_id="classifier=0.5", timeout_us=3_000_000)
+    request = Request(image_inputs(), request_id="classifier=0.5", timeout_us=3_000_000)
     started = time.monotonic()
     pb.execute(orch, [request])
     wait_answered([request])
@@ -183,7 +188,7 @@ def test_backpressure_bounds_requests_in_flight(made):
     further requests stay in Triton's queue."""
     pb = FakePbUtils(sub_models())
     made.append(orch := orchestrator(pb, max_inflight_requests="2", max_queued_requests="0"))
-    requests = [Request(image(), request_id=f"r{i};classifier=0.2") for i in range(4)]
+    requests = [Request(image_inputs(), request_id=f"r{i};classifier=0.2") for i in range(4)]
     started = time.monotonic()
     threading.Thread(target=pb.execute, args=(orch, requests[:2]), daemon=True).start()
     time.sleep(0.02)
@@ -199,7 +204,7 @@ def test_requests_beyond_the_slots_wait_in_the_orchestrator_first_come_first_ser
     pb = FakePbUtils(sub_models())
     made.append(orch := orchestrator(pb, max_inflight_requests="2", max_queued_requests="4",
                                      return_within_ms="50"))
-    requests = [Request(image(), request_id=f"q{i};classifier=0.2", timeout_us=5_000_000)
+    requests = [Request(image_inputs(), request_id=f"q{i};classifier=0.2", timeout_us=5_000_000)
                 for i in range(6)]
     for index in range(0, 6, 2):
         pb.execute(orch, requests[index:index + 2])
@@ -220,8 +225,8 @@ def test_a_slot_is_held_until_the_sub_requests_of_its_group_are_back(made):
     pb = FakePbUtils(sub_models())
     made.append(orch := orchestrator(pb, max_inflight_requests="1", max_queued_requests="4",
                                      return_within_ms="50"))
-    blocker = Request(image(), request_id="blocker;classifier=0.6", timeout_us=200_000)
-    queued = Request(image(), request_id="queued", timeout_us=5_000_000)
+    blocker = Request(image_inputs(), request_id="blocker;classifier=0.6", timeout_us=200_000)
+    queued = Request(image_inputs(), request_id="queued", timeout_us=5_000_000)
     sent = time.monotonic()
     pb.execute(orch, [blocker, queued])
     wait_answered([blocker, queued])
@@ -238,7 +243,7 @@ def test_a_request_that_cannot_be_read_fails_alone(made):
     pb = FakePbUtils(sub_models())
     made.append(orch := orchestrator(pb))
     unreadable = Request({"PIXELS": np.zeros((1, 3), np.float32)})  # no IMAGE
-    good = Request(image())
+    good = Request(image_inputs())
     pb.execute(orch, [unreadable, good])
     assert answer(unreadable).error().code() == pb.TritonError.INVALID_ARG
     assert not answer(good).has_error()
@@ -249,8 +254,8 @@ def test_a_sub_request_whose_deadline_passed_before_a_thread_took_it_is_never_se
     deadline passes there; it is answered on time and never reaches the sub-model."""
     pb = FakePbUtils(sub_models())
     made.append(orch := orchestrator(pb, subrequest_threads="1", return_within_ms="20"))
-    first = Request(image(), request_id="first;preprocess=0.5")
-    second = Request(image(), request_id="second", timeout_us=200_000)
+    first = Request(image_inputs(), request_id="first;preprocess=0.5")
+    second = Request(image_inputs(), request_id="second", timeout_us=200_000)
     pb.execute(orch, [first])
     sent = time.monotonic()
     pb.execute(orch, [second])
@@ -264,7 +269,7 @@ def test_a_sub_request_whose_deadline_passed_before_a_thread_took_it_is_never_se
 def test_shutdown_lets_sub_requests_out_finish_and_answers_their_requests(made):
     pb = FakePbUtils(sub_models())
     orch = orchestrator(pb, return_within_ms="20")
-    request = Request(image(), request_id="classifier=0.3")
+    request = Request(image_inputs(), request_id="classifier=0.3")
     pb.execute(orch, [request])  # detached: its classifier is out
     pb.finalize(orch)
     assert not answer(request).has_error(), answer(request).error().message()
@@ -276,7 +281,7 @@ def test_shutdown_answers_a_request_that_needs_another_stage_unavailable(made):
     sent is answered UNAVAILABLE at once, not after a futile drain."""
     pb = FakePbUtils(sub_models())
     orch = orchestrator(pb, return_within_ms="20")
-    request = Request(image(), request_id="preprocess=0.3")
+    request = Request(image_inputs(), request_id="preprocess=0.3")
     pb.execute(orch, [request])
     started = time.monotonic()
     pb.finalize(orch)
@@ -294,7 +299,7 @@ def test_shutdown_answers_what_outlives_the_drain_once_with_unavailable(monkeypa
     monkeypatch.setattr(triton_runtime, "SHUTDOWN_THREADS_SECONDS", 0.2)
     pb = FakePbUtils(sub_models())
     orch = orchestrator(pb, return_within_ms="20")
-    slow = Request(image(), request_id="classifier=1.0")
+    slow = Request(image_inputs(), request_id="classifier=1.0")
     pb.execute(orch, [slow])
     started = time.monotonic()
     pb.finalize(orch)

@@ -28,12 +28,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from bls_models.isolation import EARNED_PER_SUCCESS
+from tests.helpers import SLACK, orchestrator
 from tests.unit.fake_pb_utils import FakePbUtils, Request
-from tests.unit.row_models import (ITEM_ERROR, POISON, STAGE_ERROR, DirectedRowModels, code_of,
-                                   exact, image_of)
-from tests.unit.support import orchestrator
+from tests.unit.row_models import ITEM_ERROR, POISON, STAGE_ERROR, DirectedRowModels, code_of, exact, image_of
 
-SLACK = 0.25  # tests/live/support.SLACK
 DEFAULT_DEADLINE_MS = 3000
 STAGES = ("preprocess", "classifier", "embedder")
 
