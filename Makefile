@@ -40,7 +40,7 @@ GPUS             ?= all
 # /dev/shm (docker run --shm-size), by the rule of docs/operations.md ("Shared memory";
 # `python -m tritonlocal.shm REPO...` computes it): the server needs 128 MiB at start (1g leaves
 # room to grow; 2g with the logits tagger), the test container, which also serves the test-only
-# models, 6.2 GiB. tests/unit/test_container.py checks both against the rule.
+# models, 6.2 GiB. tests/tooling/test_container.py checks both against the rule.
 SHM_SIZE         ?= 1g
 TEST_SHM_SIZE    ?= 8g
 PUBLISH_HOST     ?= 127.0.0.1
@@ -53,8 +53,8 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
 .DEFAULT_GOAL := help
-.PHONY: help venv backend backend-gpu gpu-host models configs serve test test-unit bench bench-pb-calls bench-recovery soak clean docker-build docker-run test-container gpu-check
-BENCH_EXPERIMENTS := ort_options orchestration overhead coalescing fanout designs large_output clients tuning overload control_flow
+.PHONY: help venv backend backend-gpu gpu-host models configs serve lint test test-unit bench bench-pb-calls bench-recovery soak clean docker-build docker-run test-container gpu-check
+BENCH_EXPERIMENTS := ort_options orchestration overhead fanout designs large_output clients tuning overload control_flow
 
 help: ## Show this help
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-15s %s\n", $$1, $$2}'
@@ -106,8 +106,11 @@ serve: gpu-host
 	$(SERVE) --profile $(SERVE_PROFILE)
 endif
 
-test: models backend ## Run the whole test suite (unit + live server) — what CI runs
+test: lint models backend ## Lint, then the whole test suite (unit + live server) — what CI runs
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+lint: $(STAMP) ## ruff over every Python file (rules in pyproject.toml); `make test` runs it first
+	$(PY) -m ruff check .
 
 test-unit: $(STAMP) ## Only the tests that need no server
 	$(PY) -m pytest -m "not live" $(PYTEST_ARGS)

@@ -90,7 +90,8 @@ def anchor_targets(ctx: Context, result: Result) -> list[str]:
     ratio = anchors.paired(figures, "bls", "minimal", f"rps_c{level}")
     over = [d / 1000 for d in anchors.paired(figures, "bls", "minimal", "p50_c1_us", True)]
     stub = anchors.paired(figures, "bls", "minimal", "stub_cpu_ms")
-    median = lambda values: float(np.median(values)) if values else None  # noqa: E731
+    def median(values):
+        return float(np.median(values)) if values else None
     for key, values in figures.items():
         for figure, per_round in values.items():
             for index, value in enumerate(per_round):

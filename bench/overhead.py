@@ -151,7 +151,8 @@ def measure(ctx, result, server: TritonServer, repository: Path | None, levels: 
     stub = anchors.paired(figures, "bls", "minimal", "stub_cpu_ms")
     ensemble = (best["bls"].throughput / best["ensemble"].throughput
                 if best["bls"] and best["ensemble"] else None)
-    med = lambda values: statistics.median(values) if values else None  # noqa: E731
+    def med(values):
+        return statistics.median(values) if values else None
     result.summary += [
         "", f"Targets (issue 27): `pipeline` against the anchor in {rounds} interleaved "
         "round(s) (order reversed every other round), per round: p50 at concurrency 1 "

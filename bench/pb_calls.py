@@ -300,9 +300,9 @@ def answering(server: TritonServer) -> list[dict]:
 
 def calls_per_request() -> dict[str, dict[str, float]]:
     """pb_utils calls per request of the committed ``pipeline`` over the fake ``pb_utils``."""
+    from tests.helpers import orchestrator, wait_answered
     from tests.unit.fake_pb_utils import FakePbUtils, Request
     from tests.unit.row_models import DirectedRowModels, image_of
-    from tests.helpers import orchestrator, wait_answered
 
     counted = {}
     for per_execute, hold in ((1, None), (4, None), (1, "0"), (4, "0")):

@@ -236,7 +236,7 @@ class Answers:
             try:
                 return answer.code.value, self.backend.error_response(answer.message,
                                                                       answer.code.value)
-            except Exception:  # noqa: BLE001
+            except Exception:  # noqa: BLE001 - logged; the plainer answer is tried next
                 self.log(f"an error response for '{job.request_id}' could not be built:\n"
                          f"{traceback.format_exc()}", error=True)
         return "SEND_FAILED", None

@@ -256,7 +256,7 @@ class Backend:
         except Exception:  # noqa: BLE001 - the stub's stderr is the last resort
             try:
                 print(f"[{self.model}] {message}", file=sys.stderr, flush=True)
-            except Exception:  # noqa: BLE001
+            except Exception:  # noqa: BLE001 - logging must never fail its caller
                 pass
 
     def finalize(self) -> None:

@@ -84,8 +84,8 @@ MAX_QUEUED = Param(
     "max_queued_requests", "512",
     "requests per instance that wait in the orchestrator for a slot, each answered when its "
     "deadline passes; beyond them `execute` waits, leaving requests in Triton's queue (which rejects "
-    "an expired one only when its batcher reaches it, or after 500 ms with no instance free). 0: `execute` waits at "
-    "once (shed load with the queue policy's `max_queue_size`)", minimum=0)
+    "an expired one only when its batcher reaches it, or after 500 ms with no instance free). "
+    "0: `execute` waits at once (shed load with the queue policy's `max_queue_size`)", minimum=0)
 SUBREQUEST_THREADS = Param(
     "subrequest_threads", "64",
     "threads per instance that run its groups and their sub-requests, so sub-requests waiting "

@@ -19,7 +19,6 @@ from bls_models import spec as S
 from bls_models.definition import Setup
 from bls_models.errors import InvalidInput
 
-
 # Computes a stage's result from its outputs where they arrive, without copying them first:
 # {output name: array} -> {name: new array}. It must not keep references to its inputs.
 Reduce = Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]]

@@ -15,8 +15,7 @@ import time
 import traceback
 
 from bls_models.backend import DeviceTensor, Finalized
-from bls_models.errors import (Code, DeadlineExceeded, Kind, PipelineError, internal_error,
-                               sub_request_failed)
+from bls_models.errors import Code, DeadlineExceeded, Kind, PipelineError, internal_error, sub_request_failed
 
 
 def shutting_down(model: str) -> PipelineError:

@@ -24,7 +24,8 @@ from pathlib import Path
 
 import numpy as np
 
-from bls_models import flow, group as groups, params, repository
+from bls_models import flow, params, repository
+from bls_models import group as groups
 from bls_models import spec as S
 from bls_models.admission import Admission
 from bls_models.answers import Answers, Batch, Job
@@ -32,10 +33,24 @@ from bls_models.backend import Backend, DeviceTensor
 from bls_models.clock import Clock
 from bls_models.deadline import Deadline
 from bls_models.definition import PipelineDef, Setup, registered
-from bls_models.errors import (Cancelled, DeadlineExceeded, InvalidInput, Kind, PipelineError,
-                               SlotWaitExpired, internal_error)
-from bls_models.isolation import (BACKLOG_GROUPS, RESERVE_GROUPS, Budget, Exclusive, Memo,
-                                  backlog_full, isolatable)
+from bls_models.errors import (
+    Cancelled,
+    DeadlineExceeded,
+    InvalidInput,
+    Kind,
+    PipelineError,
+    SlotWaitExpired,
+    internal_error,
+)
+from bls_models.isolation import (
+    BACKLOG_GROUPS,
+    RESERVE_GROUPS,
+    Budget,
+    Exclusive,
+    Memo,
+    backlog_full,
+    isolatable,
+)
 from bls_models.metrics import ADMISSION, FLUSH_SECONDS, HISTOGRAM_FLUSH_SECONDS, Metrics
 from bls_models.subrequests import SubRequests, shutting_down
 from bls_models.workers import Workers
@@ -309,7 +324,7 @@ class Orchestrator:
                     return
                 group.ended = True
             self._release(group.members)
-        except Exception:  # noqa: BLE001
+        except Exception:  # noqa: BLE001 - never raises: logged, the slots stay handed
             self.log(f"handing on slots failed:\n{traceback.format_exc()}", error=True)
 
     def _release(self, jobs: list[Job]) -> None:
@@ -722,11 +737,11 @@ class Orchestrator:
                 if stuck:
                     self.log(f"{stuck} thread(s) still wait on a sub-model at shutdown: left to "
                              "the process's exit; they make no pb_utils call", error=True)
-            except BaseException:  # noqa: BLE001
+            except BaseException:  # noqa: BLE001 - the rest of finalize runs all the same
                 self.log(f"stopping the threads failed:\n{traceback.format_exc()}", error=True)
             try:
                 self.metrics.close()
-            except BaseException:  # noqa: BLE001
+            except BaseException:  # noqa: BLE001 - the backend is finalized all the same
                 self.log(f"publishing the last metrics failed:\n{traceback.format_exc()}",
                          error=True)
             self.backend.finalize()

@@ -1,4 +1,5 @@
-"""Fault model (tests and benchmarks only; never in model_repository/): stands in for a pipeline stage and misbehaves on request.
+"""Fault model (tests and benchmarks only; never in model_repository/): stands in for a pipeline
+stage and misbehaves on request.
 
 It has the tensors of the stage it replaces (from its config) and answers zeros, unless the
 request id carries a directive for it. The orchestrators forward the client's request id to every

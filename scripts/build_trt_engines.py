@@ -30,8 +30,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bls_models import spec as S  # noqa: E402
-from modelgen import configs, profiles  # noqa: E402
+from bls_models import spec as S  # noqa: E402 - after sys.path: run as a script
+from modelgen import configs, profiles  # noqa: E402 - after sys.path: run as a script
 
 
 def plan(repository: Path) -> list[dict]:

@@ -30,8 +30,14 @@ import threading
 from pathlib import Path
 
 from tritonlocal import backend_build, flags, gpu
-from tritonlocal.launcher import (RESTRICTED_APIS, ServerOptions, Supervisor, TritonServer,
-                                  profile_repository, tail_to)
+from tritonlocal.launcher import (
+    RESTRICTED_APIS,
+    ServerOptions,
+    Supervisor,
+    TritonServer,
+    profile_repository,
+    tail_to,
+)
 from tritonlocal.runtime import LauncherError
 
 EXAMPLE_MODEL = "pipeline"

@@ -554,7 +554,7 @@ def read_configs(repositories: list[Path]) -> list:
         for path in sorted(Path(repository).glob("*/config.pbtxt")):
             try:
                 config = load_config(path)
-            except Exception:  # noqa: BLE001
+            except Exception:  # noqa: BLE001 - tritonserver reports a broken config itself
                 continue
             config.name = config.name or path.parent.name
             models.append(config)

@@ -50,7 +50,7 @@ class StubArgs:
         """None unless ``argv`` is a python-backend stub's."""
         if len(argv) < 3 or not argv[0].endswith(STUB_NAME):
             return None
-        field = lambda i: argv[i].decode(errors="replace") if len(argv) > i and argv[i] else None  # noqa: E731
+        field = lambda i: argv[i].decode(errors="replace") if len(argv) > i and argv[i] else None  # noqa: E731 - one line per field below
         server = field(5)
         return cls(region=field(2) or "", server_pid=int(server) if server and server.isdigit()
                    else None, instance=field(8))

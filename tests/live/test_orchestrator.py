@@ -322,7 +322,8 @@ def test_a_burst_of_1000_concurrent_requests_is_answered_exactly_once(server):
 # -- metrics --------------------------------------------------------------------------------------
 def test_bls_metrics_are_served_next_to_tritons(server, grpc_client):
     assert timed_infer(grpc_client, "grpc", "pipeline", image(14)).error is None
-    positive = lambda value: value > 0  # noqa: E731
+    def positive(value):
+        return value > 0
     for stage in ("preprocess", "classifier", "embedder"):
         assert eventually(server, "bls_stage_latency_seconds_count", positive, model="pipeline",
                           stage=stage) > 0
