@@ -109,6 +109,18 @@ def paired(figures: dict, key: str, base: str, figure: str, difference: bool = F
             for a, b in zip(figures[key][figure], figures[base][figure]) if b]
 
 
+def add_rounds(result, figures: dict) -> None:
+    """One CSV row per anchor figure and round (``figures``: key -> figure -> per-round values)
+    in ``result``, and the rounds themselves in its JSON data."""
+    for key, values in figures.items():
+        for figure, per_round in values.items():
+            for index, value in enumerate(per_round):
+                result.rows.append({"experiment": result.name, "variant": f"anchor: {key}",
+                                    "scenario": "targets", "figure": figure,
+                                    "round": index + 1, "value": round(value, 3)})
+    result.data["anchor_rounds"] = figures
+
+
 def summary(values: list[float], digits: int = 2) -> str:
     """``median (min–max)`` of ``values``."""
     if not values:

@@ -39,6 +39,7 @@ import numpy as np
 from bench import supervision
 from bench.chaos_accounting import BAD, KINDS, Chaos, Kill, Outcome, account
 from bench.chaos_report import report, shown
+from bench.common import output_arguments
 from bls_models import spec as S
 from modelgen import poison
 from tritonlocal import launcher, procs
@@ -303,10 +304,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--poison-mates", type=float, default=0.5,
                         help="share of the good image requests sent to the poisoned model (0.5: "
                              "poisoned images are ~5.6 %% of its requests; 0.1: 23 %%, 5x fewer)")
-    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
-    parser.add_argument("--raw", type=Path, default=ROOT / "bench" / "results" / "raw",
-                        help="where every request's outcome goes (git-ignored)")
-    parser.add_argument("--model-repository", type=Path, default=ROOT / "model_repository")
+    output_arguments(parser, "where every request's outcome goes (git-ignored)")
     args = parser.parse_args(argv)
     command = "python -m bench.chaos " + " ".join(argv if argv is not None else sys.argv[1:])
     seconds = args.seconds or (60.0 if args.quick else 1200.0)

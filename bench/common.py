@@ -15,6 +15,17 @@ from pathlib import Path
 from bench import perf
 from bench.perf import Point
 
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "bench" / "results"
+
+
+def output_arguments(parser, raw_help: str) -> None:
+    """A command's --out (the committed results), --raw (git-ignored: ``raw_help`` says what
+    goes there) and --model-repository."""
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--raw", type=Path, default=RESULTS / "raw", help=raw_help)
+    parser.add_argument("--model-repository", type=Path, default=ROOT / "model_repository")
+
 
 @dataclass
 class Context:

@@ -90,15 +90,12 @@ def anchor_targets(ctx: Context, result: Result) -> list[str]:
     ratio = anchors.paired(figures, "bls", "minimal", f"rps_c{level}")
     over = [d / 1000 for d in anchors.paired(figures, "bls", "minimal", "p50_c1_us", True)]
     stub = anchors.paired(figures, "bls", "minimal", "stub_cpu_ms")
+
     def median(values):
         return float(np.median(values)) if values else None
-    for key, values in figures.items():
-        for figure, per_round in values.items():
-            for index, value in enumerate(per_round):
-                result.rows.append({"experiment": result.name, "variant": f"anchor: {key}",
-                                    "scenario": "targets", "figure": figure,
-                                    "round": index + 1, "value": round(value, 3)})
-    result.data.update({"anchor_rounds": figures, "throughput_ratio_c16": median(ratio),
+
+    anchors.add_rounds(result, figures)
+    result.data.update({"throughput_ratio_c16": median(ratio),
                         "p50_over_anchor_ms": median(over), "stub_cpu_ratio": median(stub)})
     return [
         "", f"Targets (issue 27) with the committed CNNs: `pipeline` against the anchor in "

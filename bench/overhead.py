@@ -175,14 +175,8 @@ def measure(ctx, result, server: TritonServer, repository: Path | None, levels: 
         target_line("`pipeline` / ensemble, best throughput of the sweep (three hops: floor "
                     "≈ 0.66)", ensemble, TARGETS["ensemble"], "higher"),
     ]
-    for key, values in figures.items():
-        for figure, per_round in values.items():
-            for index, value in enumerate(per_round):
-                result.rows.append({"experiment": result.name, "variant": f"anchor: {key}",
-                                    "scenario": "targets", "figure": figure,
-                                    "round": index + 1, "value": round(value, 3)})
-    result.data.update({"anchor_rounds": figures,
-                        "throughput_ratio": {c: med(r) for c, r in ratio.items()},
+    anchors.add_rounds(result, figures)
+    result.data.update({"throughput_ratio": {c: med(r) for c, r in ratio.items()},
                         "p50_over_anchor_ms": med(over), "stub_cpu_ratio": med(stub),
                         "ensemble_ratio": ensemble,
                         "best": {k: p.throughput for k, p in best.items() if p},

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench import perf
+from bench.common import output_arguments
 from bls_models import spec as S
 from tritonlocal import TritonServer, on_free_ports, procs
 from tritonlocal.launcher import group_stubs
@@ -201,10 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gil", action="store_true",
                         help="py-spy --gil: only samples of the thread holding the GIL (the "
                              "stub's own Python CPU; waits on locks and IPC are left out)")
-    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
-    parser.add_argument("--raw", type=Path, default=ROOT / "bench" / "results" / "raw",
-                        help="where py-spy's collapsed stacks go (git-ignored)")
-    parser.add_argument("--model-repository", type=Path, default=ROOT / "model_repository")
+    output_arguments(parser, "where py-spy's collapsed stacks go (git-ignored)")
     args = parser.parse_args(argv)
     stubs = [] if args.stubs == "none" else [s for s in args.stubs.split(",") if s] or [args.model]
     if stubs and not PY_SPY.exists():

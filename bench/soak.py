@@ -39,6 +39,7 @@ from pathlib import Path
 import numpy as np
 
 from bench import memory
+from bench.common import output_arguments
 from bls_models import spec as S
 from modelgen import nets
 from tritonlocal import procs
@@ -232,10 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-seconds", type=float, default=3600.0, help="stop sending after this")
     parser.add_argument("--url", help="gRPC host:port of a running server (default: start one)")
     parser.add_argument("--http-url", help="its HTTP host:port (with --url; for Triton's counts)")
-    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
-    parser.add_argument("--raw", type=Path, default=ROOT / "bench" / "results" / "raw",
-                        help="where the whole record goes, memory samples included (git-ignored)")
-    parser.add_argument("--model-repository", type=Path, default=ROOT / "model_repository")
+    output_arguments(parser, "where the whole record goes, memory samples included (git-ignored)")
     args = parser.parse_args(argv)
     command = "python -m bench.soak " + " ".join(argv if argv is not None else sys.argv[1:])
 

@@ -88,6 +88,24 @@ def image_inputs(batch: int = 1) -> dict[str, np.ndarray]:
     return {"IMAGE": np.zeros((batch, *S.IMAGE.dims), np.uint8)}
 
 
+def shorten_shutdown(monkeypatch, seconds: float) -> None:
+    """finalize's drain and its wait for the runtime's threads cut to ``seconds``: tests of what
+    outlives them."""
+    from bls_models import triton_runtime
+
+    monkeypatch.setattr(triton_runtime, "SHUTDOWN_DRAIN_SECONDS", seconds)
+    monkeypatch.setattr(triton_runtime, "SHUTDOWN_THREADS_SECONDS", seconds)
+
+
+def executing(pb: FakePbUtils, request_id: str) -> tuple[Orchestrator, Request]:
+    """A ``pipeline`` over ``pb`` that returns from ``execute`` within 20 ms, executing one image
+    whose id directs the sub-models (``sub_models``: e.g. ``classifier=1.0``)."""
+    orch = orchestrator(pb, return_within_ms="20")
+    request = Request(image_inputs(), request_id=request_id)
+    pb.execute(orch, [request])
+    return orch, request
+
+
 def wait_answered(requests: list[Request], timeout: float = 10.0) -> None:
     give_up = time.monotonic() + timeout
     for request in requests:
@@ -402,6 +420,23 @@ def page_config_command() -> list[str]:
                       EXTENDING_PAGE.read_text(), re.MULTILINE)
     assert match, "docs/extending.md lost its config command"
     return [sys.executable, *shlex.split(match.group(1))]
+
+
+def extending_checkout(work: Path, repository: Path, model_py: str) -> Path:
+    """A user's checkout as docs/extending.md builds it in ``work``: the project's stage models
+    (linked from ``repository``), ``model_py`` as the page's pipeline, and its config written by
+    the page's command. Returns the checkout's model repository."""
+    repo = work / "model_repository"
+    repo.mkdir()
+    for stage_model in (S.PREPROCESS, S.EMBEDDER, S.CLASSIFIER):
+        (repo / stage_model.name).symlink_to(repository / stage_model.name)
+    path = repo / EXTENDING_NAME / "1" / "model.py"
+    path.parent.mkdir(parents=True)
+    path.write_text(model_py)
+    written = subprocess.run(page_config_command(), cwd=work, capture_output=True, text=True,
+                             timeout=120)
+    assert written.returncode == 0, written.stderr
+    return repo
 
 
 def path_without_nvidia_smi() -> str:

@@ -656,11 +656,8 @@ def kill_orphaned_stubs() -> list[int]:
             continue
         if process.ppid == stub.server_pid and procs.alive(stub.server_pid):
             continue
-        try:
-            os.kill(process.pid, signal.SIGKILL)
+        if procs.kill(process.pid):
             killed.append(process.pid)
-        except OSError:
-            continue
     return killed
 
 

@@ -21,7 +21,9 @@ A stub that died stays a zombie child of the server: its command line is gone, i
 
 from __future__ import annotations
 
+import os
 import re
+import signal
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
@@ -132,3 +134,12 @@ def memory_mib(pid: int) -> dict[str, float]:
 
 def alive(pid: int) -> bool:
     return (PROC / str(pid)).exists()
+
+
+def kill(pid: int) -> bool:
+    """SIGKILL ``pid``; False if it could not be signalled (gone, or not ours)."""
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except OSError:
+        return False
+    return True

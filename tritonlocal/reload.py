@@ -289,11 +289,8 @@ class Reloader:
                 self.log(f"reloader: '{entry.model}' has no stubs but {sorted(entry.replaced)}: "
                          f"its copy was not replaced, so stub {entry.pid} keeps serving")
                 continue
-            try:
-                os.kill(entry.pid, signal.SIGKILL)
+            if procs.kill(entry.pid):
                 killed.append(entry.pid)
-            except OSError:
-                continue
         return killed
 
 

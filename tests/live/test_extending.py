@@ -21,6 +21,7 @@ from tests.helpers import (
     assert_served,
     batch_spread,
     eventually,
+    extending_checkout,
     image,
     metrics_text,
     page_config_command,
@@ -35,16 +36,7 @@ from tritonlocal import LauncherError, TritonServer
 def user_server(repository, tmp_path_factory):
     """A user's checkout: the repository's stage models, plus the page's model directory."""
     work = tmp_path_factory.mktemp("extending")
-    repo = work / "model_repository"
-    repo.mkdir()
-    for stage_model in (S.PREPROCESS, S.EMBEDDER, S.CLASSIFIER):
-        (repo / stage_model.name).symlink_to(repository / stage_model.name)
-    model_py = repo / NAME / "1" / "model.py"
-    model_py.parent.mkdir(parents=True)
-    model_py.write_text(page_model_py())
-    written = subprocess.run(page_config_command(), cwd=work, capture_output=True, text=True,
-                             timeout=120)
-    assert written.returncode == 0, written.stderr
+    repo = extending_checkout(work, repository, page_model_py())
     assert (repo / NAME / "config.pbtxt").is_file()
     with TritonServer(server_options(repo, work)) as server:
         yield server

@@ -15,7 +15,16 @@ import pytest
 
 from bls_models import spec as S
 from bls_models.metrics import FLUSH_SECONDS, HISTOGRAM_FLUSH_SECONDS, Metrics
-from tests.helpers import SLACK, image_inputs, orchestrator, settled_metric, sub_models, wait_answered
+from tests.helpers import (
+    SLACK,
+    executing,
+    image_inputs,
+    orchestrator,
+    settled_metric,
+    shorten_shutdown,
+    sub_models,
+    wait_answered,
+)
 from tests.unit.fake_pb_utils import FakePbUtils, Request
 from tests.unit.row_models import DirectedRowModels, exact, image_of
 
@@ -335,14 +344,9 @@ def test_shutdown_cleans_up_on_every_path_even_when_an_answer_is_slow_to_send(mo
 
 
 def test_a_sub_request_still_out_after_finalize_makes_no_pb_utils_call(monkeypatch):
-    from bls_models import triton_runtime
-
-    monkeypatch.setattr(triton_runtime, "SHUTDOWN_DRAIN_SECONDS", 0.1)
-    monkeypatch.setattr(triton_runtime, "SHUTDOWN_THREADS_SECONDS", 0.1)
+    shorten_shutdown(monkeypatch, 0.1)
     pb = FakePbUtils(sub_models())
-    orch = orchestrator(pb, return_within_ms="20")
-    request = Request(image_inputs(), request_id="embedder=0.8")
-    pb.execute(orch, [request])
+    orch, request = executing(pb, "embedder=0.8")
     time.sleep(0.05)
     pb.finalize(orch)
     assert answer(request).error().code() == pb.TritonError.UNAVAILABLE

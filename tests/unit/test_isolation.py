@@ -25,17 +25,24 @@ def answered_codes(requests) -> list[str]:
     return [code_of(r.answers[0]) for r in requests]
 
 
-def test_a_poisoned_row_fails_alone_and_the_others_get_their_own_rows(made):
+def run_poisoned_group(made):
+    """Four images through the committed ``pipeline``, the second poisoned at the embedder:
+    only that one fails (INVALID_ARG), and every other gets its own row."""
     pb = FakePbUtils(DirectedRowModels(poisoned_stages=("embedder",)).models())
     made.append(orch := orchestrator(pb))
     values = (20, POISON, 22, 23)
     requests = [Request(image_of(v), request_id=f"r{v}") for v in values]
     pb.execute(orch, requests)
     assert answered_codes(requests) == ["SUCCESS", "INVALID_ARG", "SUCCESS", "SUCCESS"]
-    assert "stage 'embedder'" in requests[1].answers[0].error().message()
     for request, value in zip(requests, values):
         if value != POISON:
             assert exact(request.answers[0], value)
+    return pb, orch, requests
+
+
+def test_a_poisoned_row_fails_alone_and_the_others_get_their_own_rows(made):
+    pb, orch, requests = run_poisoned_group(made)
+    assert "stage 'embedder'" in requests[1].answers[0].error().message()
     assert counted(pb, orch, "bls_isolated_requests_total") == 4
 
 
@@ -43,15 +50,7 @@ def test_a_member_run_alone_sends_only_the_stage_that_failed(made):
     """The group's preprocess and classifier answered every row: the members' re-runs take
     their rows from those answers (found by content) and send only the embedder, the stage that
     failed; the answers are still each row's own."""
-    pb = FakePbUtils(DirectedRowModels(poisoned_stages=("embedder",)).models())
-    made.append(orch := orchestrator(pb))
-    values = (20, POISON, 22, 23)
-    requests = [Request(image_of(v), request_id=f"r{v}") for v in values]
-    pb.execute(orch, requests)
-    assert answered_codes(requests) == ["SUCCESS", "INVALID_ARG", "SUCCESS", "SUCCESS"]
-    for request, value in zip(requests, values):
-        if value != POISON:
-            assert exact(request.answers[0], value)
+    pb, orch, _ = run_poisoned_group(made)
     sent = [model for model, _ in pb.calls]
     assert sent.count("preprocess") == 1 and sent.count("classifier") == 1, sent
     assert sent.count("embedder") == 1 + 4 + 1  # the group, each alone, the bad one again
@@ -210,17 +209,23 @@ def test_an_innocent_member_hears_the_stages_failure_not_another_members_invalid
     assert counted(pb, orch, "bls_isolated_requests_total") == 0
 
 
+def raising_for(orch, value: int, error: Exception) -> None:
+    """``orch``'s run function, raising ``error`` for any batch that holds the image of
+    ``value`` (row_models.image_of)."""
+    pipeline = orch.run
+
+    async def run(inputs, call, setup):
+        if (inputs["IMAGE"] == value).reshape(len(inputs["IMAGE"]), -1).all(axis=1).any():
+            raise error
+        return await pipeline(inputs, call, setup)
+
+    orch.run = run
+
+
 def test_a_bug_the_run_function_hits_for_one_row_fails_only_that_request(made):
     pb = FakePbUtils(DirectedRowModels().models())
     made.append(orch := orchestrator(pb))
-    pipeline = orch.run
-
-    async def buggy(inputs, call, setup):
-        if (inputs["IMAGE"] == 9).reshape(len(inputs["IMAGE"]), -1).all(axis=1).any():
-            raise ZeroDivisionError("a bug")
-        return await pipeline(inputs, call, setup)
-
-    orch.run = buggy
+    raising_for(orch, 9, ZeroDivisionError("a bug"))
     requests = [Request(image_of(v)) for v in (20, 9, 22)]
     pb.execute(orch, requests)
     assert answered_codes(requests) == ["SUCCESS", "INTERNAL", "SUCCESS"]
@@ -232,14 +237,7 @@ def test_a_check_that_raises_invalid_input_in_the_run_function_isolates_too(made
     member by member."""
     pb = FakePbUtils(DirectedRowModels().models())
     made.append(orch := orchestrator(pb))
-    pipeline = orch.run
-
-    async def rejecting(inputs, call, setup):
-        if (inputs["IMAGE"] == 7).reshape(len(inputs["IMAGE"]), -1).all(axis=1).any():
-            raise InvalidInput("image 7 is not allowed")
-        return await pipeline(inputs, call, setup)
-
-    orch.run = rejecting
+    raising_for(orch, 7, InvalidInput("image 7 is not allowed"))
     requests = [Request(image_of(v)) for v in (20, 7, 22)]
     pb.execute(orch, requests)
     assert answered_codes(requests) == ["SUCCESS", "INVALID_ARG", "SUCCESS"]

@@ -13,9 +13,11 @@ from bls_models import spec as S
 from tests.helpers import (
     SLACK,
     counted,
+    executing,
     image_inputs,
     orchestrator,
     settled_metric,
+    shorten_shutdown,
     sub_models,
     wait_answered,
 )
@@ -268,9 +270,7 @@ def test_a_sub_request_whose_deadline_passed_before_a_thread_took_it_is_never_se
 
 def test_shutdown_lets_sub_requests_out_finish_and_answers_their_requests(made):
     pb = FakePbUtils(sub_models())
-    orch = orchestrator(pb, return_within_ms="20")
-    request = Request(image_inputs(), request_id="classifier=0.3")
-    pb.execute(orch, [request])  # detached: its classifier is out
+    orch, request = executing(pb, "classifier=0.3")  # detached: its classifier is out
     pb.finalize(orch)
     assert not answer(request).has_error(), answer(request).error().message()
     assert pb.violations == []
@@ -280,9 +280,7 @@ def test_shutdown_answers_a_request_that_needs_another_stage_unavailable(made):
     """From finalize on, r24.10 refuses sub-requests: a request whose next stage had not been
     sent is answered UNAVAILABLE at once, not after a futile drain."""
     pb = FakePbUtils(sub_models())
-    orch = orchestrator(pb, return_within_ms="20")
-    request = Request(image_inputs(), request_id="preprocess=0.3")
-    pb.execute(orch, [request])
+    orch, request = executing(pb, "preprocess=0.3")
     started = time.monotonic()
     pb.finalize(orch)
     assert time.monotonic() - started < 1.0
@@ -293,14 +291,9 @@ def test_shutdown_answers_a_request_that_needs_another_stage_unavailable(made):
 
 
 def test_shutdown_answers_what_outlives_the_drain_once_with_unavailable(monkeypatch):
-    from bls_models import triton_runtime
-
-    monkeypatch.setattr(triton_runtime, "SHUTDOWN_DRAIN_SECONDS", 0.2)
-    monkeypatch.setattr(triton_runtime, "SHUTDOWN_THREADS_SECONDS", 0.2)
+    shorten_shutdown(monkeypatch, 0.2)
     pb = FakePbUtils(sub_models())
-    orch = orchestrator(pb, return_within_ms="20")
-    slow = Request(image_inputs(), request_id="classifier=1.0")
-    pb.execute(orch, [slow])
+    orch, slow = executing(pb, "classifier=1.0")
     started = time.monotonic()
     pb.finalize(orch)
     assert time.monotonic() - started < 1.0, "close waited for the sub-model"
