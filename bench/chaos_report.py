@@ -29,17 +29,21 @@ def shown(chaos: Chaos, limit: int = SHOWN) -> list[dict]:
 
 def report(chaos: Chaos, out: Path, command: str, raw: Path | None = None,
            outcomes: list[Outcome] | None = None) -> Path:
-    """chaos.{json,csv,png,md} into ``out``; every request's outcome, one JSON line each, into
-    ``raw``/chaos-requests.jsonl (raw data: not for git)."""
+    """chaos.{json,csv,png,md} into ``out`` (the JSON is the summary: the memory samples are in
+    the CSV); into ``raw`` (raw data: not for git), every request's outcome, one JSON line each,
+    as chaos-requests.jsonl, and the whole record, samples included, as chaos.json."""
     out.mkdir(parents=True, exist_ok=True)
-    if raw is not None and outcomes is not None:
-        raw.mkdir(parents=True, exist_ok=True)
-        with (raw / "chaos-requests.jsonl").open("w") as handle:
-            for o in outcomes:
-                handle.write(json.dumps(asdict(o)) + "\n")
     summary = {**asdict(chaos), "notable": shown(chaos), "clean": chaos.clean,
                "command": command}
-    (out / "chaos.json").write_text(json.dumps(summary, indent=1) + "\n")
+    if raw is not None:
+        raw.mkdir(parents=True, exist_ok=True)
+        (raw / "chaos.json").write_text(json.dumps(summary, indent=1) + "\n")
+        if outcomes is not None:
+            with (raw / "chaos-requests.jsonl").open("w") as handle:
+                for o in outcomes:
+                    handle.write(json.dumps(asdict(o)) + "\n")
+    (out / "chaos.json").write_text(json.dumps({k: v for k, v in summary.items()
+                                                if k != "samples"}, indent=1) + "\n")
     memory.write_csv(chaos.samples, out / "chaos.csv")
     plotted = _plot(chaos, out / "chaos.png")
     total = sum(sum(r.values()) for r in chaos.by_kind.values())
