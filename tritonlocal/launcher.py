@@ -471,7 +471,6 @@ class Supervisor:
             return f"tritonserver is not running (exit code {code})"
         reloader = self.reloader
         reloader.attach(process.pid)  # publishes the state: fresh at every check
-        reloader.headers = self.server.admin_headers
         reloader.kill_due()
         report = self.server.liveness(retired=reloader.retired)
         if not report.live:
