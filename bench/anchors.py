@@ -22,6 +22,8 @@ from bls_models.pipelines import softmax_top_k
 from modelgen import configs
 
 MODELS = Path(__file__).resolve().parent / "models"
+# ``profile.drive``'s warm-up and tail on smoke settings: seconds of waiting, no claims.
+QUICK_DRIVE = {"warmup": 0.5, "tail": 1.0}
 MINIMAL = MODELS / "minimal.py"
 NAIVE = MODELS / "naive.py"
 
@@ -77,12 +79,12 @@ def write_minimal(target: Path, pipeline_config: Path) -> None:
 
 
 def side_by_side(server, models: dict[str, str], rounds: int, levels=(16, 64),
-                 seconds: float = 8.0) -> dict[str, dict[str, list[float]]]:
+                 seconds: float = 8.0, quick: bool = False) -> dict[str, dict[str, list[float]]]:
     """The figures the anchor targets are about, for each of ``models`` (key -> model), in
     ``rounds`` interleaved rounds (the order reversed every other round: this host's speed moves
     by tens of percent within minutes): p50 at concurrency 1 (µs, perf_analyzer), and at each of
     ``levels`` the throughput (req/s) and, at the first, the model's stubs' CPU per request (ms).
-    Returns key -> figure -> one value per round."""
+    Returns key -> figure -> one value per round. ``quick``: smoke settings (no claims)."""
     from bench import perf, profile
 
     out = {key: {"p50_c1_us": [], **{f"rps_c{c}": [] for c in levels}, "stub_cpu_ms": []}
@@ -90,11 +92,12 @@ def side_by_side(server, models: dict[str, str], rounds: int, levels=(16, 64),
     for index in range(rounds):
         order = list(models.items()) if index % 2 == 0 else list(models.items())[::-1]
         for key, model in order:
-            p50 = perf.p50_at_1(server, model)
+            p50 = perf.p50_at_1(server, model, quick)
             if p50 is not None:
                 out[key]["p50_c1_us"].append(p50)
             for level in levels:
-                load = profile.drive(server, model, level, seconds, warmup=3.0)
+                load = profile.drive(server, model, level, seconds, **QUICK_DRIVE if quick
+                                     else {"warmup": 3.0})
                 out[key][f"rps_c{level}"].append(load.requests / load.seconds)
                 if level == levels[0]:
                     out[key]["stub_cpu_ms"].append(

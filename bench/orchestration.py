@@ -86,7 +86,8 @@ def anchor_targets(ctx: Context, result: Result) -> list[str]:
     rounds = 1 if ctx.quick else ANCHOR_ROUNDS
     level = 4 if ctx.quick else 16
     figures = anchors.side_by_side(ctx.server, {"bls": "pipeline", "minimal": "pipeline_minimal"},
-                                   rounds, levels=(level,), seconds=2.0 if ctx.quick else 10.0)
+                                   rounds, levels=(level,), seconds=1.0 if ctx.quick else 10.0,
+                                   quick=ctx.quick)
     ratio = anchors.paired(figures, "bls", "minimal", f"rps_c{level}")
     over = [d / 1000 for d in anchors.paired(figures, "bls", "minimal", "p50_c1_us", True)]
     stub = anchors.paired(figures, "bls", "minimal", "stub_cpu_ms")
@@ -123,10 +124,11 @@ def cpu_accounting(ctx: Context, result: Result, local: clients.InProcess,
     """Why the throughput ratios are what they are: with both cores busy, throughput is the
     cores divided by the CPU one request costs, summed over every process it touches."""
     concurrency = 4 if ctx.quick else ACCOUNTING_CONCURRENCY
-    seconds = 2.0 if ctx.quick else 15.0
+    seconds = 1.0 if ctx.quick else 15.0
     ways = {"minimal": "pipeline_minimal", "bls": "pipeline", "ensemble": "pipeline_ensemble"}
     loads = {way: profile.drive(ctx.server, model, concurrency, seconds,
-                                warmup=1 if ctx.quick else 5) for way, model in ways.items()}
+                                **anchors.QUICK_DRIVE if ctx.quick else {"warmup": 5})
+             for way, model in ways.items()}
     measured, inproc_ms = local.cpu_per_request(lambda: local.pipeline(image), 4, seconds)
     columns = {"in-process": {"in-process (one Python process)": inproc_ms},
                **{way: load.cpu_ms_per_request() for way, load in loads.items()}}

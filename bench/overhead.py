@@ -144,7 +144,7 @@ def measure(ctx, result, server: TritonServer, repository: Path | None, levels: 
     rounds = 1 if ctx.quick else rounds
     figures = anchors.side_by_side(server, {"bls": "pipeline", "minimal": "pipeline_minimal"},
                                    rounds, levels=(16, 64) if not ctx.quick else (4,),
-                                   seconds=2.0 if ctx.quick else 8.0)
+                                   seconds=1.0 if ctx.quick else 8.0, quick=ctx.quick)
     levels_ = (16, 64) if not ctx.quick else (4,)
     ratio = {c: anchors.paired(figures, "bls", "minimal", f"rps_c{c}") for c in levels_}
     over = [d / 1000 for d in anchors.paired(figures, "bls", "minimal", "p50_c1_us", True)]
@@ -226,11 +226,11 @@ def cpu(ctx, result, server: TritonServer, local: clients.InProcess | None,
         image: np.ndarray) -> list[str]:
     """CPU per request of every process, each served way driven alone."""
     concurrency = 4 if ctx.quick else ACCOUNTING_CONCURRENCY
-    seconds = 2.0 if ctx.quick else 15.0
+    seconds = 1.0 if ctx.quick else 15.0
     served = (("bls", "pipeline"), ("minimal", "pipeline_minimal"),
               ("ensemble", "pipeline_ensemble"))
     loads = {way: profile.drive(server, model, concurrency, seconds,
-                                warmup=1 if ctx.quick else 5)
+                                **anchors.QUICK_DRIVE if ctx.quick else {"warmup": 5})
              for way, model in served}
     columns = {way: load.cpu_ms_per_request() for way, load in loads.items()}
     throughput = {way: load.requests / load.seconds for way, load in loads.items()}

@@ -35,7 +35,7 @@ class Settings:
 
     def flags(self) -> list[str]:
         if self.quick:
-            return ["--measurement-mode", "count_windows", "--measurement-request-count", "20",
+            return ["--measurement-mode", "count_windows", "--measurement-request-count", "10",
                     # More trials than the 3 stable windows needed: the first window of a
                     # freshly loaded model includes ONNX Runtime's first runs, which made a
                     # 1-instance classifier miss even a 1000 % criterion within 3 (seen in CI).
@@ -139,12 +139,15 @@ def interleaved(models: dict[str, str], url: str, levels: list[int], settings: S
     return runs
 
 
-def p50_at_1(server, model: str) -> int | None:
+def p50_at_1(server, model: str, quick: bool = False) -> int | None:
     """perf_analyzer's p50 (µs) at concurrency 1 over gRPC, against ``server`` (a
-    tritonlocal.TritonServer)."""
+    tritonlocal.TritonServer). ``quick``: smoke settings (a few windows of 10 requests)."""
+    windows = (["--measurement-mode", "count_windows", "--measurement-request-count", "10",
+                "--stability-percentage", "1000", "--max-trials", "8"] if quick
+               else ["--measurement-interval", "3000"])
     out = subprocess.run([str(PERF_ANALYZER), "-m", model, "-i", "grpc", "-u",
-                          server.grpc_url, "--concurrency-range", "1:1",
-                          "--measurement-interval", "3000", "--percentile=50"],
+                          server.grpc_url, "--concurrency-range", "1:1", *windows,
+                          "--percentile=50"],
                          capture_output=True, text=True, check=False).stdout
     found = re.search(r"p50 latency: (\d+) usec", out)
     return int(found.group(1)) if found else None

@@ -148,7 +148,7 @@ class Load:
 
 
 def drive(server: TritonServer, model: str, concurrency: int, seconds: float,
-          input_data: str = "zero", during=None, warmup: float = 5.0) -> Load:
+          input_data: str = "zero", during=None, warmup: float = 5.0, tail: float = 5.0) -> Load:
     """Drive ``model`` with perf_analyzer at ``concurrency``; after ``warmup`` seconds, account
     for ``seconds`` of it (CPU of every process, Triton's per-model statistics). ``during()``, if
     given, runs in the measured period instead of a sleep (py-spy samplers wait there).
@@ -156,8 +156,7 @@ def drive(server: TritonServer, model: str, concurrency: int, seconds: float,
     perf_analyzer's one window ends ``TAIL`` seconds after the accounted period and it is left
     to finish on its own: killing it with requests in flight makes the server cancel them, and
     a gRPC cancellation racing a response can crash Triton 2.51 (a full benchmark run lost its
-    server right after such a kill; upstream server#7368, #8034)."""
-    tail = 5.0
+    server right after such a kill; upstream server#7368, #8034). Smoke runs shorten it."""
     load = subprocess.Popen(
         [str(perf.PERF_ANALYZER), "-m", model, "-i", "grpc", "-u", server.grpc_url,
          "--input-data", input_data, "--concurrency-range", f"{concurrency}:{concurrency}",

@@ -242,6 +242,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--after-s", type=float, default=5.0)
     parser.add_argument("--deadline-s", type=float, default=3.0)
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
+    parser.add_argument("--no-wait-retired", action="store_true",
+                        help="do not wait for the replaced copy's stubs to be retired (up to "
+                        "max_deadline_ms after the reload): smoke runs")
     args = parser.parse_args(argv)
     command = "python -m bench.recovery " + " ".join(argv if argv is not None else sys.argv[1:])
     runs = []
@@ -255,7 +258,8 @@ def main(argv: list[str] | None = None) -> int:
                 supervisor.start()
                 try:
                     run, _ = kill_under_load(server, supervisor, args.victim, args.before_s,
-                                             args.after_s, args.deadline_s)
+                                             args.after_s, args.deadline_s,
+                                             wait_retired=not args.no_wait_retired)
                 finally:
                     supervisor.stop()
         runs.append(run)

@@ -52,7 +52,7 @@ def test_the_recovery_benchmark_runs_and_writes_its_results(repository, tmp_path
     killed, the CSV, JSON and markdown written with the run's figures."""
     from bench import recovery
 
-    assert recovery.main(["--runs", "1", "--before-s", "2", "--after-s", "1",
+    assert recovery.main(["--runs", "1", "--before-s", "2", "--after-s", "1", "--no-wait-retired",
                           "--model-repository", str(repository), "--out", str(tmp_path)]) == 0
     (row,) = list(csv.DictReader((tmp_path / "recovery.csv").open()))
     assert row["victim"] == "pipeline" and float(row["reloaded_s"]) > 0
