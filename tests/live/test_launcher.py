@@ -266,7 +266,7 @@ def test_tracing_on_does_not_crash_the_orchestrators(repository, tmp_path):
     assert traced & {"traced-0", "traced-1", "traced-2"}
 
 
-def test_shutdown_drains_requests_in_flight(repository, fault_repository, tmp_path):
+def test_shutdown_drains_requests_in_flight(tmp_path):
     """Stopping the server while the orchestrator waits on a sub-model: the request is still
     answered (finalize drains in-flight work), and the server exits. The stop waits until the
     orchestrator reports the sub-request out (its in-flight gauge, published every 0.2 s): on
@@ -274,10 +274,17 @@ def test_shutdown_drains_requests_in_flight(repository, fault_repository, tmp_pa
     began is refused, as it should be."""
     import threading
 
+    from modelgen import variants
     from tests.helpers import eventually, image, timed_infer
 
-    opts = options(repository, tmp_path, extra_args=[f"--model-repository={fault_repository}"])
-    launcher = TritonServer(opts)
+    # pipeline_faulty and its three fault stand-ins alone, one instance each: the stop drains
+    # the same orchestrator as on the full repository, and the server starts in a few seconds.
+    small = tmp_path / "repository"
+    for stand_in in ("fault_preprocess", "fault_classifier", "fault_embedder"):
+        model = next(m for m in variants.FAULT_MODELS if m.name == stand_in)
+        variants.write(small, dataclasses.replace(model, instance_count=1), variants.FAULT_MODEL)
+    variants.write(small, variants.variant_named("pipeline_faulty"))
+    launcher = TritonServer(options(small, tmp_path))
     launcher.start()
     client = grpcclient.InferenceServerClient(launcher.grpc_url)
     outcome = {}

@@ -1,4 +1,4 @@
-"""Over 10 000 requests the orchestrators' stub processes do not grow: what a leak would do.
+"""Over thousands of requests the orchestrators' stub processes do not grow: what a leak would do.
 
 Two figures per stub, printed (pytest -s) and recorded in docs/orchestrator.md:
 - private memory (RssAnon): what a leak grows — a copy of every input kept, responses never
@@ -9,16 +9,19 @@ Two figures per stub, printed (pytest -s) and recorded in docs/orchestrator.md:
   and creeping up to ~30 MiB over the first 10 000 requests) is not a leak: a leak grows with
   every request, the plateau does not.
   So the run is sampled after each tenth and the test compares the median of the last three
-  samples with the median of the first three (7 000 requests apart): growth must stay under
-  PRIVATE_BOUND_MIB. A leak of one input image per request (147 KB) would grow each `pipeline`
-  stub by ~500 MiB over those 7 000; the bound catches a leak of ~19 KB per request. The stubs
-  over the logits tagger have their own bound (their test says why).
+  samples with the median of the first three (seven tenths apart: 2 100 `pipeline` requests
+  after 1 000 warm-up): growth must stay under PRIVATE_BOUND_MIB. A leak of one input image per
+  request (147 KB) would grow each of the two `pipeline` stubs by ~150 MiB over those 2 100; the
+  bound catches a leak of ~62 KB per request. The stubs over the logits tagger have their own
+  bound (their test says why).
 - the python backend's shared-memory region: a pool that grows to the peak of tensors alive at
   once and never shrinks (Triton 2.51). The server is the suite's, so earlier tests (overload,
-  bursts of large batches) may have grown it already: the region must not grow over the
-  measured run by more than one growth step (16 MiB) past its size after the warm-up, and a
-  region that had not grown before it (still at its 32 MiB start) must stay within a cap derived
-  from this load's peak, or the budget /dev/shm is sized with.
+  bursts of large batches) may have grown it already, and a short warm-up on a fresh server may
+  not have reached this load's peak (the logits tagger's: 144 MiB after the warm-up, 256 at the
+  end, in one run): the region must end within a cap derived from this load's peak (or the
+  budget /dev/shm is sized with), or within one growth step (16 MiB) of its size after the
+  warm-up when earlier tests had grown it past that cap. A region that leaked tensors would grow
+  past both.
 """
 
 from __future__ import annotations
@@ -65,23 +68,22 @@ def measure(server, model, warm_up, requests, data, name, dtype, region_cap_mib,
         private = [s["private"] for s in taken]
         growth = statistics.median(private[-3:]) - statistics.median(private[:3])
         assert growth < bound_mib, (pid, private)
-        assert taken[-1]["region"] <= before[pid] + GROWTH_STEP_MIB, (pid, before[pid], taken[-1])
-        if before[pid] <= START_MIB:
-            assert taken[-1]["region"] <= region_cap_mib, (pid, taken[-1])
+        assert taken[-1]["region"] <= max(region_cap_mib, before[pid] + GROWTH_STEP_MIB), (
+            pid, before[pid], taken[-1])
 
 
-def test_pipeline_stub_memory_is_flat_over_10000_requests(server):
+def test_pipeline_stub_memory_is_flat_over_3000_requests(server):
     # Per request in flight: the input image, the sub-requests' IMAGE and 2 x PIXELS, their
     # outputs: about 2 MiB; 32 in flight, twice that for fragmentation, plus the 32 MiB start.
-    measure(server, "pipeline", 2_000, 10_000, image(seed=3), "IMAGE", "UINT8",
-            region_cap_mib=32 + 2 * 32 * 2)
+    measure(server, "pipeline", 1_000, 3_000, image(seed=3), "IMAGE", "UINT8",
+            region_cap_mib=START_MIB + 2 * 32 * 2)
 
 
 def test_tag_pipeline_stub_memory_is_flat(server):
     # Over tagger_tags (committed): 8 bytes per token come back; the region never needs to grow
     # past its 32 MiB start.
     data = np.random.default_rng(0).integers(0, S.TAGGER_VOCAB, (1, S.TAGGER_SEQ_LEN))
-    measure(server, "tag_pipeline", 100, 1_000, data, "TOKENS", "INT64", region_cap_mib=32)
+    measure(server, "tag_pipeline", 100, 500, data, "TOKENS", "INT64", region_cap_mib=START_MIB)
 
 
 def test_tag_pipeline_over_logits_stub_memory_is_flat(server):
@@ -90,10 +92,10 @@ def test_tag_pipeline_over_logits_stub_memory_is_flat(server):
     # (subrequests.owns_memory): 28.7 MB per sequence, up to 4 per coalesced group. glibc keeps
     # a growing set of such blocks for the first few thousand requests (measured: +27 MiB steps,
     # +137 MiB on one stub over 2 800 requests, then flat at 145 to 240 MiB), so the bound is
-    # 192 MiB: one leaked response per request would grow a stub by ~10 GB over this run.
+    # 192 MiB: one leaked response per request would grow a stub by ~5 GB over this run.
     # The region stays within the budget `python -m tritonlocal.shm` sizes /dev/shm with: one
     # full batch (4 sequences) of logits per sub-request thread (8), plus the 32 MiB start
     # (peaks of 144 to 464 MiB measured over four runs with coalescing).
     data = np.random.default_rng(0).integers(0, S.TAGGER_VOCAB, (1, S.TAGGER_SEQ_LEN))
-    measure(server, "tag_pipeline_logits", 300, 1_000, data, "TOKENS", "INT64",
-            region_cap_mib=32 + 8 * 4 * 28.7, base="tag_pipeline", bound_mib=192)
+    measure(server, "tag_pipeline_logits", 300, 500, data, "TOKENS", "INT64",
+            region_cap_mib=START_MIB + 8 * 4 * 28.7, base="tag_pipeline", bound_mib=192)

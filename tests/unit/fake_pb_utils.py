@@ -213,6 +213,12 @@ class Request:
         return self.sender.sent + ([self.returned] if self.returned is not None else [])
 
     @property
+    def answer(self):
+        """The one response that reached the client (fails if there are none or several)."""
+        (response,) = self.answers
+        return response
+
+    @property
     def answer_attempts(self) -> int:
         return self.sender.attempts + (self.returned is not None)
 

@@ -29,12 +29,6 @@ from tests.unit.fake_pb_utils import FakePbUtils, Request
 from tests.unit.row_models import DirectedRowModels, exact, image_of
 
 
-def answer(request: Request):
-    """The one response that reached the client (fails if there are none or several)."""
-    (response,) = request.answers
-    return response
-
-
 def execute_in_thread(pb, orch, requests) -> threading.Thread:
     """``execute`` from another thread (the stub's main thread may be held by backpressure)."""
     thread = threading.Thread(target=pb.execute, args=(orch, requests), daemon=True)
@@ -79,10 +73,10 @@ def test_a_response_that_cannot_be_built_is_answered_internal_and_frees_its_slot
     pb.execute(orch, [good])
     wait_answered([bad, good], timeout=5)
     assert time.monotonic() - started < 1.0
-    error = answer(bad).error()
+    error = bad.answer.error()
     assert error.code() == pb.TritonError.INTERNAL
     assert "KeyError" not in error.message() and "EMBEDDING" not in error.message()
-    assert not answer(good).has_error()
+    assert not good.answer.has_error()
     assert settled_metric(pb, "bls_requests_total", code="INTERNAL") == 1
     if not logger_fails:
         assert any("no output 'EMBEDDING'" in line for line in pb.log)
@@ -103,11 +97,11 @@ def test_a_request_waiting_for_a_slot_is_answered_when_its_deadline_passes(made,
     execute_in_thread(pb, orch, [late])
     wait_answered([late], timeout=5)
     assert late.sender.answered_at - sent < 0.2 + SLACK
-    error = answer(late).error()
+    error = late.answer.error()
     assert error.code() == pb.TritonError.UNAVAILABLE
     assert "waiting for one of its 1 slots" in error.message()
     wait_answered([blocker])
-    assert not answer(blocker).has_error()
+    assert not blocker.answer.has_error()
     assert settled_metric(pb, "bls_deadline_exceeded_total", stage="admission") == 1
 
 
@@ -123,7 +117,7 @@ def test_the_deadline_and_the_latency_count_the_wait_for_a_slot(made, queued):
     execute_in_thread(pb, orch, [slow, follower])
     wait_answered([slow, follower])
     # It got the slot at ~0.5 s with 0.2 s left: fine, it runs in a few ms.
-    assert not answer(follower).has_error()
+    assert not follower.answer.has_error()
     assert follower.sender.answered_at - sent < 0.7
     time.sleep(HISTOGRAM_FLUSH_SECONDS + 2 * FLUSH_SECONDS)
     total = pb.metric("bls_request_latency_seconds_sum")
@@ -144,10 +138,10 @@ def test_a_request_whose_sender_cannot_be_had_is_answered_through_executes_list(
     wait_answered(requests)
     time.sleep(0.1)
     assert pb.violations == []
-    assert answer(requests[1]).error().code() == pb.TritonError.INTERNAL
+    assert requests[1].answer.error().code() == pb.TritonError.INTERNAL
     assert requests[1].returned is not None and requests[1].sender.attempts == 0
     for request in (requests[0], requests[2]):
-        assert not answer(request).has_error()
+        assert not request.answer.has_error()
 
 
 def test_a_send_that_raises_is_counted_and_execute_goes_on(made):
@@ -160,7 +154,7 @@ def test_a_send_that_raises_is_counted_and_execute_goes_on(made):
     lost = [r for r in requests if not r.answers]
     assert len(lost) == 1 and lost[0].sender.attempts == 1
     assert settled_metric(pb, "bls_requests_total", code="SEND_FAILED") == 1
-    assert all(not answer(r).has_error() for r in requests if r not in lost)
+    assert all(not r.answer.has_error() for r in requests if r not in lost)
 
 
 def test_an_exception_building_a_groups_sub_request_answers_its_members_at_once(made):
@@ -175,8 +169,8 @@ def test_an_exception_building_a_groups_sub_request_answers_its_members_at_once(
     wait_answered(group, timeout=5)
     assert max(r.sender.answered_at for r in group) - started < 1.0
     for request in group:
-        assert answer(request).error().code() == pb.TritonError.INTERNAL
-        assert "in stage '" in answer(request).error().message()
+        assert request.answer.error().code() == pb.TritonError.INTERNAL
+        assert "in stage '" in request.answer.error().message()
     assert pb.faults.raised["InferenceRequest"] == 1
     assert len(pb.calls) <= 3
 
@@ -212,7 +206,7 @@ def test_a_bug_in_a_reduce_is_internal_not_the_clients_fault_and_is_not_resent(m
     pb.execute(orch, requests)
     wait_answered(requests)
     for request in requests:
-        error = answer(request).error()
+        error = request.answer.error()
         assert error.code() == pb.TritonError.INTERNAL
         assert "stage 'classifier'" in error.message()
         assert "out of bounds" not in error.message() and "IndexError" not in error.message()
@@ -228,7 +222,7 @@ def test_a_request_that_cannot_be_read_is_internal_not_invalid_arg(made):
     pb.faults.plan("get_input_tensor_by_name", "once")
     request = Request(image_inputs())
     pb.execute(orch, [request])
-    error = answer(request).error()
+    error = request.answer.error()
     assert error.code() == pb.TritonError.INTERNAL and "injected" not in error.message()
 
 
@@ -289,7 +283,7 @@ def test_an_orchestrators_state_does_not_grow_with_traffic(made):
     assert len(orch.workers._threads) <= orch.config.subrequest_threads
     live = sum(not timer.cancelled for _, _, timer in orch.clock._heap)
     assert len(orch.clock._heap) <= 2 * live, "cancelled timers pile up"
-    assert all(not answer(r).has_error() for r in requests)
+    assert all(not r.answer.has_error() for r in requests)
     assert orch.answers.pending == set() and orch.admission.running == 0
 
 
@@ -335,7 +329,7 @@ def test_shutdown_cleans_up_on_every_path_even_when_an_answer_is_slow_to_send(mo
     pb.execute(orch, [stuck])
     pb.finalize(orch)
     assert len(stuck.answers) == 1
-    assert answer(stuck).error().code() == pb.TritonError.UNAVAILABLE
+    assert stuck.answer.error().code() == pb.TritonError.UNAVAILABLE
     assert pb.metric("bls_requests_total", code="UNAVAILABLE") == 1, "metrics not published"
     time.sleep(0.6)
     assert pb.violations == []
@@ -349,7 +343,7 @@ def test_a_sub_request_still_out_after_finalize_makes_no_pb_utils_call(monkeypat
     orch, request = executing(pb, "embedder=0.8")
     time.sleep(0.05)
     pb.finalize(orch)
-    assert answer(request).error().code() == pb.TritonError.UNAVAILABLE
+    assert request.answer.error().code() == pb.TritonError.UNAVAILABLE
     time.sleep(1.0)  # the embedder answers the thread left behind
     assert pb.violations == []
 
@@ -368,6 +362,6 @@ def test_answers_are_exact_rows_after_isolation_in_every_execute_call(made):
     wait_answered(requests)
     for request, value in zip(requests, values):
         if value == POISON:
-            assert code_of(answer(request)) == "INVALID_ARG"
+            assert code_of(request.answer) == "INVALID_ARG"
         else:
-            assert exact(answer(request), value)
+            assert exact(request.answer, value)

@@ -24,11 +24,6 @@ from tests.helpers import (
 from tests.unit.fake_pb_utils import FakePbUtils, Request
 
 
-def answer(request: Request):
-    (response,) = request.answers
-    return response
-
-
 def test_each_request_is_answered_once_with_its_outputs_returned_from_execute(made, long_hold):
     pb = FakePbUtils(sub_models())
     made.append(orch := orchestrator(pb))
@@ -38,7 +33,7 @@ def test_each_request_is_answered_once_with_its_outputs_returned_from_execute(ma
         assert returned is not None and all(r is not None for r in returned)
     time.sleep(0.1)  # a second answer would arrive by now
     for request in requests:
-        response = answer(request)
+        response = request.answer
         assert not response.has_error() and request.sender.attempts == 0
         outputs = {t.name(): t.as_numpy() for t in response.output_tensors}
         batch = request.input("IMAGE").shape[0]
@@ -72,7 +67,7 @@ def test_a_deadline_both_branches_miss_is_answered_on_time_and_counted_once(made
     pb.execute(orch, [request])
     wait_answered([request])
     elapsed = time.monotonic() - started
-    response = answer(request)
+    response = request.answer
     assert response.has_error() and "deadline exceeded" in response.error().message()
     assert response.error().code() == pb.TritonError.UNAVAILABLE
     assert 0.2 <= elapsed < 0.2 + SLACK  # on time, with room for a busy host
@@ -96,7 +91,7 @@ def test_a_batch_slower_than_the_hold_is_answered_through_its_senders(made):
     assert time.monotonic() - started < 0.05 + SLACK, "execute held its instance"
     wait_answered([slow])
     assert slow.returned is None and len(slow.sender.sent) == 1
-    assert not answer(slow).has_error()
+    assert not slow.answer.has_error()
     assert settled_metric(pb, "bls_detached_requests_total") == 1
 
 
@@ -108,7 +103,7 @@ def test_a_cancelled_request_stops_before_its_next_stages_and_is_counted_once(ma
     time.sleep(0.1)
     request.sender.cancelled.set()  # the client goes away while preprocess runs
     wait_answered([request])
-    assert answer(request).error().code() == pb.TritonError.CANCELLED
+    assert request.answer.error().code() == pb.TritonError.CANCELLED
     assert [model for model, _ in pb.calls] == ["preprocess"], "a branch was still called"
     assert settled_metric(pb, "bls_cancelled_requests_total") == 1  # not once per branch
     assert pb.metric("bls_requests_total", code="CANCELLED") == 1
@@ -123,7 +118,7 @@ def test_a_request_that_waited_for_a_slot_is_checked_before_its_first_stage(made
     late.sender.cancelled.set()  # cancelled while it waited behind the first for a slot
     pb.execute(orch, [first, late])
     wait_answered([first, late])
-    assert answer(late).error().code() == pb.TritonError.CANCELLED
+    assert late.answer.error().code() == pb.TritonError.CANCELLED
     assert [rid for _, rid in pb.calls].count("") == 0, "the cancelled request reached a stage"
     assert settled_metric(pb, "bls_cancelled_requests_total", stage="preprocess") == 1
 
@@ -142,7 +137,7 @@ def test_execute_does_not_hold_its_instance_for_requests_waiting_for_a_slot(made
     assert time.monotonic() - started < 0.05, "execute waited for answers that could not come"
     wait_answered(waiting)
     for request in waiting:
-        assert answer(request).error().code() == pb.TritonError.UNAVAILABLE
+        assert request.answer.error().code() == pb.TritonError.UNAVAILABLE
         assert request.sender.answered_at - started < 0.3 + SLACK
     wait_answered(blockers)
 
@@ -153,8 +148,8 @@ def test_a_failing_sub_model_fails_its_request_with_internal_naming_the_stage(ma
     request = Request(image_inputs())
     pb.execute(orch, [request])
     wait_answered([request])
-    assert answer(request).error().code() == pb.TritonError.INTERNAL
-    assert "stage 'embedder'" in answer(request).error().message()
+    assert request.answer.error().code() == pb.TritonError.INTERNAL
+    assert "stage 'embedder'" in request.answer.error().message()
     assert settled_metric(pb, "bls_subrequest_errors_total", stage="embedder", kind="failed") == 1
 
 
@@ -165,7 +160,7 @@ def test_a_stage_timeout_caps_its_sub_request(made):
     started = time.monotonic()
     pb.execute(orch, [request])
     wait_answered([request])
-    error = answer(request).error()
+    error = request.answer.error()
     assert error.code() == pb.TritonError.UNAVAILABLE and "stage timeout" in error.message()
     assert request.sender.answered_at - started < 0.1 + SLACK
     assert settled_metric(pb, "bls_abandoned_subrequests_total", stage="classifier") == 1
@@ -211,7 +206,7 @@ def test_requests_beyond_the_slots_wait_in_the_orchestrator_first_come_first_ser
     for index in range(0, 6, 2):
         pb.execute(orch, requests[index:index + 2])
     wait_answered(requests)
-    assert all(not answer(r).has_error() for r in requests)
+    assert all(not r.answer.has_error() for r in requests)
     started = {member.split(";")[0]: s.started for s in pb.sent if s.model == "classifier"
                for member in s.request_id.split(",")}
     pairs = [max(started[f"q{i}"], started[f"q{i + 1}"]) for i in (0, 2, 4)]
@@ -232,9 +227,9 @@ def test_a_slot_is_held_until_the_sub_requests_of_its_group_are_back(made):
     sent = time.monotonic()
     pb.execute(orch, [blocker, queued])
     wait_answered([blocker, queued])
-    assert answer(blocker).error().code() == pb.TritonError.UNAVAILABLE
+    assert blocker.answer.error().code() == pb.TritonError.UNAVAILABLE
     assert blocker.sender.answered_at - sent < 0.2 + SLACK
-    assert not answer(queued).has_error()
+    assert not queued.answer.has_error()
     classifier = next(s for s in pb.sent if s.model == "classifier" and "blocker" in s.request_id)
     first = next(s for s in pb.sent if s.model == "preprocess" and "queued" in s.request_id)
     assert first.started >= classifier.started + 0.6, "the queued request started while the " \
@@ -247,8 +242,8 @@ def test_a_request_that_cannot_be_read_fails_alone(made):
     unreadable = Request({"PIXELS": np.zeros((1, 3), np.float32)})  # no IMAGE
     good = Request(image_inputs())
     pb.execute(orch, [unreadable, good])
-    assert answer(unreadable).error().code() == pb.TritonError.INVALID_ARG
-    assert not answer(good).has_error()
+    assert unreadable.answer.error().code() == pb.TritonError.INVALID_ARG
+    assert not good.answer.has_error()
 
 
 def test_a_sub_request_whose_deadline_passed_before_a_thread_took_it_is_never_sent(made):
@@ -262,9 +257,9 @@ def test_a_sub_request_whose_deadline_passed_before_a_thread_took_it_is_never_se
     sent = time.monotonic()
     pb.execute(orch, [second])
     wait_answered([first, second])
-    assert answer(second).error().code() == pb.TritonError.UNAVAILABLE
+    assert second.answer.error().code() == pb.TritonError.UNAVAILABLE
     assert second.sender.answered_at - sent < 0.2 + SLACK
-    assert not answer(first).has_error()
+    assert not first.answer.has_error()
     assert [rid for _, rid in pb.calls].count("second") == 0
 
 
@@ -272,7 +267,7 @@ def test_shutdown_lets_sub_requests_out_finish_and_answers_their_requests(made):
     pb = FakePbUtils(sub_models())
     orch, request = executing(pb, "classifier=0.3")  # detached: its classifier is out
     pb.finalize(orch)
-    assert not answer(request).has_error(), answer(request).error().message()
+    assert not request.answer.has_error(), request.answer.error().message()
     assert pb.violations == []
 
 
@@ -284,7 +279,7 @@ def test_shutdown_answers_a_request_that_needs_another_stage_unavailable(made):
     started = time.monotonic()
     pb.finalize(orch)
     assert time.monotonic() - started < 1.0
-    error = answer(request).error()
+    error = request.answer.error()
     assert error.code() == pb.TritonError.UNAVAILABLE and "shutting down" in error.message()
     assert [model for model, _ in pb.calls] == ["preprocess"]
     assert pb.violations == []
@@ -297,7 +292,7 @@ def test_shutdown_answers_what_outlives_the_drain_once_with_unavailable(monkeypa
     started = time.monotonic()
     pb.finalize(orch)
     assert time.monotonic() - started < 1.0, "close waited for the sub-model"
-    error = answer(slow).error()
+    error = slow.answer.error()
     assert error.code() == pb.TritonError.UNAVAILABLE and "shutting down" in error.message()
     assert pb.metric("bls_requests_total", code="UNAVAILABLE") == 1
     time.sleep(1.0)  # the sub-model answers the thread left behind: it must not use pb_utils
