@@ -128,7 +128,7 @@ def concurrency_designs(ctx: Context) -> Result:
     # server's first requests (ONNX Runtime's first run of each batch size, thread pools, the
     # runtime's record of batch times) for the others. Each design's first round measured cold
     # otherwise, and the first design measured took 2-5x longer than later rounds of itself.
-    for _ in range(2):
+    for _ in range(1 if ctx.quick else 2):
         for design in DESIGNS:
             head_of_line(url, dataclasses.replace(design, instances=0), image)
     hol_rounds: dict[str, list[tuple[list[float], int]]] = {d.name: [] for d in DESIGNS}

@@ -2,7 +2,7 @@
 perf_analyzer command succeeds, and the metrics command shows what the orchestrators counted.
 
 Only the ports and the admin credential's file are replaced (the test server's instead of the
-defaults), and each perf_analyzer command gets shorter measurement windows (count windows of 20
+defaults), and each perf_analyzer command gets shorter measurement windows (count windows of 10
 requests) so the suite stays fast. The commands run in bash, as pasted."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-QUICK = ["--measurement-mode", "count_windows", "--measurement-request-count", "20",
+QUICK = ["--measurement-mode", "count_windows", "--measurement-request-count", "10",
          "--stability-percentage", "1000", "--max-trials", "8"]
 
 

@@ -15,8 +15,10 @@ Each case asserts:
 * every success carries exactly its own rows;
 * slots, pending requests and the in-flight gauges are back to 0, and after finalize no thread
   of the orchestrator is left.
-The late request (preprocess 1.2 s, longer than the hold) is what makes the calls of the sender
-path (``get_response_sender``, ``is_cancelled``, ``send``) in the committed setup.
+The late request (preprocess 500 ms: five times the hold before the runtime has timed a few
+batches, and far longer than four times the fake's batches after) is what makes the calls of
+the sender path (``get_response_sender``, ``is_cancelled``, ``send``) in the committed setup;
+each case checks its fault fired.
 """
 
 from __future__ import annotations
@@ -56,7 +58,7 @@ class Burst:
         self._add(Request(image_of(POISON), request_id="poisoned"), {"INVALID_ARG"}, POISON)
         self._add(Request(image_of(41), request_id="slow;classifier=400", timeout_us=200_000),
                   {"UNAVAILABLE"}, 41, deadline=0.2)
-        self._add(Request(image_of(39), request_id="late;preprocess=1200"), {"SUCCESS"}, 39)
+        self._add(Request(image_of(39), request_id="late;preprocess=500"), {"SUCCESS"}, 39)
         cancelled = Request(image_of(42), request_id="cancelled")
         cancelled.sender.cancelled.set()
         self._add(cancelled, {"CANCELLED"} if setup == "sent" else {"SUCCESS", "CANCELLED"}, 42)
@@ -165,7 +167,7 @@ def check_burst(pb, orch, call: str, how: str, setup: str) -> None:
     assert counted(pb, orch, "bls_requests_total", code="SEND_FAILED") == lost
 
     assert orch.answers.pending == set()
-    give_up = time.monotonic() + 2.0  # abandoned sub-requests come back (1.2 s at most)
+    give_up = time.monotonic() + 2.0  # abandoned sub-requests come back (0.5 s at most)
     while counted(pb, orch, "bls_inflight_subrequests") and time.monotonic() < give_up:
         time.sleep(0.05)
     for gauge in ("bls_inflight_requests", "bls_inflight_subrequests"):
