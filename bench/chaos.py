@@ -339,4 +339,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from bench.common import run_as_program
+
+    run_as_program(main)

@@ -9,6 +9,8 @@ machine is shared and noisy: ratios are meaningful, absolute numbers much less s
 from __future__ import annotations
 
 import dataclasses
+import signal
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -17,6 +19,32 @@ from bench.perf import Point
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
+
+
+def run_as_program(main) -> None:
+    """``sys.exit(main())`` for a benchmark started as a program, stopped cleanly by SIGTERM as by
+    Ctrl-C: either raises KeyboardInterrupt in the main thread, so the ``with`` blocks of its
+    servers exit (tritonserver stopped, its stubs with it) and its supervisors stop. SIGINT gets
+    the handler explicitly: a process a non-interactive shell starts in the background inherits
+    it ignored. Later signals are ignored, so they do not cut the clean-up short. Exit status
+    128 + the signal's number."""
+    received: list[int] = []
+
+    def interrupt(signum, frame):
+        received.append(signum)
+        for each in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(each, signal.SIG_IGN)
+        raise KeyboardInterrupt
+
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, interrupt)
+    try:
+        code = main()
+    except KeyboardInterrupt:
+        signum = received[0] if received else signal.SIGINT
+        print(f"stopped by {signal.Signals(signum).name}", file=sys.stderr, flush=True)
+        code = 128 + signum
+    sys.exit(code)
 
 
 def output_arguments(parser, raw_help: str) -> None:
