@@ -20,6 +20,14 @@ from tritonlocal.flags import REDACTED
 PERF_ANALYZER = Path(sys.executable).parent / "perf_analyzer"
 
 
+# Smoke settings: windows of 0.5 s (perf_analyzer's count windows last 1 s at the least, 3 s
+# a level) and more trials than the 3 stable windows needed: the first window of a freshly
+# loaded model includes ONNX Runtime's first runs, which made a 1-instance classifier miss even
+# a 1000 % criterion within 3 (seen in CI).
+QUICK_WINDOWS = ["--measurement-interval", "500", "--stability-percentage", "1000",
+                 "--max-trials", "8"]
+
+
 @dataclass
 class Settings:
     """How long and how carefully to measure. ``quick`` is for smoke tests (seconds, no claims)."""
@@ -35,12 +43,7 @@ class Settings:
 
     def flags(self) -> list[str]:
         if self.quick:
-            return ["--measurement-mode", "count_windows", "--measurement-request-count", "10",
-                    # More trials than the 3 stable windows needed: the first window of a
-                    # freshly loaded model includes ONNX Runtime's first runs, which made a
-                    # 1-instance classifier miss even a 1000 % criterion within 3 (seen in CI).
-                    "--stability-percentage", "1000", "--max-trials", "8",
-                    f"--percentile={self.percentile}"]
+            return [*QUICK_WINDOWS, f"--percentile={self.percentile}"]
         return ["--measurement-interval", str(self.window_ms),
                 "--stability-percentage", str(self.stability), "--max-trials", str(self.max_trials),
                 f"--percentile={self.percentile}"]
@@ -141,10 +144,8 @@ def interleaved(models: dict[str, str], url: str, levels: list[int], settings: S
 
 def p50_at_1(server, model: str, quick: bool = False) -> int | None:
     """perf_analyzer's p50 (µs) at concurrency 1 over gRPC, against ``server`` (a
-    tritonlocal.TritonServer). ``quick``: smoke settings (a few windows of 10 requests)."""
-    windows = (["--measurement-mode", "count_windows", "--measurement-request-count", "10",
-                "--stability-percentage", "1000", "--max-trials", "8"] if quick
-               else ["--measurement-interval", "3000"])
+    tritonlocal.TritonServer). ``quick``: smoke settings (``QUICK_WINDOWS``)."""
+    windows = QUICK_WINDOWS if quick else ["--measurement-interval", "3000"]
     out = subprocess.run([str(PERF_ANALYZER), "-m", model, "-i", "grpc", "-u",
                           server.grpc_url, "--concurrency-range", "1:1", *windows,
                           "--percentile=50"],

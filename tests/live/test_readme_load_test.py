@@ -2,8 +2,8 @@
 perf_analyzer command succeeds, and the metrics command shows what the orchestrators counted.
 
 Only the ports and the admin credential's file are replaced (the test server's instead of the
-defaults), and each perf_analyzer command gets shorter measurement windows (count windows of 10
-requests) so the suite stays fast. The commands run in bash, as pasted."""
+defaults), and each perf_analyzer command gets the benchmark smoke runs' short measurement
+windows (``bench.perf.QUICK_WINDOWS``) so the suite stays fast. The commands run in bash, as pasted."""
 
 from __future__ import annotations
 
@@ -14,9 +14,10 @@ from pathlib import Path
 
 import pytest
 
+from bench.perf import QUICK_WINDOWS
+
 ROOT = Path(__file__).resolve().parents[2]
-QUICK = ["--measurement-mode", "count_windows", "--measurement-request-count", "10",
-         "--stability-percentage", "1000", "--max-trials", "8"]
+QUICK = QUICK_WINDOWS
 
 
 def readme_commands() -> list[str]:
