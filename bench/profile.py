@@ -153,7 +153,7 @@ def drive(server: TritonServer, model: str, concurrency: int, seconds: float,
     for ``seconds`` of it (CPU of every process, Triton's per-model statistics). ``during()``, if
     given, runs in the measured period instead of a sleep (py-spy samplers wait there).
 
-    perf_analyzer's one window ends ``TAIL`` seconds after the accounted period and it is left
+    perf_analyzer's one window ends ``tail`` seconds after the accounted period and it is left
     to finish on its own: killing it with requests in flight makes the server cancel them, and
     a gRPC cancellation racing a response can crash Triton 2.51 (a full benchmark run lost its
     server right after such a kill; upstream server#7368, #8034). Smoke runs shorten it."""

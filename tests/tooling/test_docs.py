@@ -4,6 +4,7 @@ README, CONTRIBUTING.md and docs/ names a file that exists and, with an anchor, 
 
 from __future__ import annotations
 
+import functools
 import re
 from pathlib import Path
 
@@ -15,7 +16,8 @@ LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 FENCE = re.compile(r"^(```|~~~).*?^\1", flags=re.DOTALL | re.MULTILINE)
 
 
-def anchors(page: Path) -> set[str]:
+@functools.cache  # a page is read once, however many links name it
+def anchors(page: Path) -> frozenset[str]:
     """The anchors GitHub gives the headings of ``page``."""
     seen: dict[str, int] = {}
     found = set()
@@ -28,7 +30,7 @@ def anchors(page: Path) -> set[str]:
         count = seen.get(slug, 0)
         seen[slug] = count + 1
         found.add(slug if count == 0 else f"{slug}-{count}")
-    return found
+    return frozenset(found)
 
 
 def links(page: Path) -> list[str]:
