@@ -18,8 +18,8 @@ import threading
 
 import numpy as np
 
-# Sub-requests and responses a thread got back after finalize: never destroyed by this runtime
-# (destroying them is a pb_utils call); the stub process exits after finalize.
+# Backend objects a thread got back after finalize: never destroyed by this runtime (destroying
+# them is a pb_utils call); the stub process exits after finalize.
 _LEFT_AT_SHUTDOWN: list = []
 
 
@@ -31,8 +31,8 @@ def owns_memory(array: np.ndarray) -> bool:
     """Whether ``array``'s memory was allocated by numpy (for it or an array it views), not
     borrowed from a foreign buffer such as shared memory. The r24.10 stub builds a CPU tensor's
     array with ``py::array(dtype, dims, ptr)`` and no base, which pybind11 answers with a copy
-    (``pb_tensor.cc``): requests' inputs and sub-responses' outputs already are the stub's own
-    memory, and a build that handed out views would get a copy here."""
+    (``pb_tensor.cc``): inputs and sub-response outputs already are the stub's own memory, and
+    a build that handed out views would get a copy here."""
     while isinstance(array, np.ndarray) and not array.flags.owndata:
         array = array.base
     return isinstance(array, np.ndarray)
@@ -44,37 +44,12 @@ def own(array: np.ndarray) -> np.ndarray:
 
 class DeviceTensor:
     """A stage output kept in the sub-model's GPU memory (``gpu_tensors: "on"``): a
-    ``pb_utils.Tensor`` made with ``from_dlpack``, which shares the GPU buffer with the DLPack
-    capsule, not with the sub-response. Created and released under the lock; pipelines only pass
-    it from one stage to the next."""
+    ``pb_utils.Tensor`` made with ``from_dlpack``. Pipelines only pass it to the next stage."""
 
     __slots__ = ("tensor",)
 
     def __init__(self, tensor) -> None:
         self.tensor = tensor
-
-    def release(self) -> None:
-        self.tensor = None
-
-
-class Held:
-    """A response built for a request, until it is sent, returned from ``execute`` or dropped:
-    whoever holds this holds no reference to the backend object itself."""
-
-    __slots__ = ("response",)
-
-    def __init__(self, response) -> None:
-        self.response = response
-
-
-class Received:
-    """What ``execute`` reads of one request."""
-
-    __slots__ = ("request_id", "timeout_us", "inputs", "outputs", "failure")
-
-    def __init__(self) -> None:
-        self.request_id, self.timeout_us, self.inputs, self.outputs = "", None, {}, None
-        self.failure: str | None = None  # "missing:<name>" or "unreadable"
 
 
 class Backend:
@@ -86,102 +61,75 @@ class Backend:
         self._cpu = None
 
     # -- requests (execute's thread, while the request is alive) ----------------------------
-    def read(self, request, input_names, log) -> Received:
-        """A request's id, timeout, inputs (the stub's own arrays) and requested outputs. What
-        cannot be read is logged: no id, the default deadline, or ``failure``."""
-        got = Received()
+    def read(self, request, input_names):
+        """``(request id, timeout µs, {name: own array} or the missing input's name, requested
+        output names)``; raises what pb_utils raises."""
         pb = self.pb
-        tensor = None
         with self.lock:
-            try:
-                got.request_id = request.request_id()
-            except Exception as error:  # noqa: BLE001 - the request goes on without its id
-                log(f"could not read a request id: {error!r}", error=True)
-            try:
-                got.timeout_us = int(request.timeout())
-            except Exception as error:  # noqa: BLE001 - the default deadline applies
-                log(f"could not read the timeout of '{got.request_id}': {error!r}", error=True)
-            try:
-                for name in input_names:
-                    tensor = pb.get_input_tensor_by_name(request, name)
-                    if tensor is None:
-                        got.failure = f"missing:{name}"
-                        return got
-                    got.inputs[name] = own(tensor.as_numpy())
-                    tensor = None
-                got.outputs = list(request.requested_output_names())
-            except Exception as error:  # noqa: BLE001 - core validated it: not the client's fault
-                log(f"could not read request '{got.request_id}': {error!r}", error=True)
-                got.failure = "unreadable"
-            finally:
+            request_id = request.request_id()
+            timeout_us = int(request.timeout())
+            inputs = {}
+            for name in input_names:
+                tensor = pb.get_input_tensor_by_name(request, name)
+                if tensor is None:
+                    return request_id, timeout_us, name, []
+                inputs[name] = own(tensor.as_numpy())
                 tensor = None
-        return got
+            return request_id, timeout_us, inputs, list(request.requested_output_names())
 
-    def sender(self, request):
-        """The request's response sender (raises what pb_utils raises)."""
-        with self.lock:
-            return request.get_response_sender()
+    def is_cancelled(self, request) -> bool:
+        """Whether the client cancelled (a round trip; no lock)."""
+        return bool(request.is_cancelled())
 
     # -- answers ----------------------------------------------------------------------------
-    def response(self, arrays: list[tuple[str, np.ndarray]]) -> Held:
-        with self.lock:
-            return Held(self.pb.InferenceResponse(
-                output_tensors=[self.pb.Tensor(name, array) for name, array in arrays]))
-
-    def error_response(self, message: str, code: str) -> Held:
+    def response(self, arrays: list[tuple[str, np.ndarray]] | None = None,
+                 message: str = "", code: str = ""):
+        """An ``InferenceResponse`` with ``arrays``, or the error ``message`` with ``code``."""
         pb = self.pb
-        with self.lock:  # one TritonError per response
-            return Held(pb.InferenceResponse(error=pb.TritonError(message,
-                                                                  getattr(pb.TritonError, code))))
+        with self.lock:
+            if arrays is None:  # one TritonError per response
+                return pb.InferenceResponse(error=pb.TritonError(message,
+                                                                 getattr(pb.TritonError, code)))
+            return pb.InferenceResponse(
+                output_tensors=[pb.Tensor(name, array) for name, array in arrays])
 
-    def send(self, sender, held: Held) -> None:
-        """The final response through ``sender`` (a round trip; no lock), then dropped. In
-        r24.10 the sender closes before the response crosses (``response_sender.cc``), so a
-        send that raises cannot be retried."""
+    def send(self, request, arrays=None, message: str = "", code: str = "") -> None:
+        """A response built as ``response`` builds it, sent through ``request``'s sender, final
+        (a round trip; no lock), then dropped under the lock. r24.10 closes the sender before
+        the response crosses, so a send that raises cannot be retried."""
+        response = sender = None
         try:
-            sender.send(held.response, flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+            response = self.response(arrays, message, code)
+            with self.lock:
+                sender = request.get_response_sender()
+            sender.send(response, flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
         finally:
-            self.release(held)
-
-    @staticmethod
-    def take(held: Held):
-        """The response, for ``execute`` to return (the stub takes it from there)."""
-        response, held.response = held.response, None
-        return response
-
-    def release(self, held: Held | None) -> None:
-        """Drop a response not sent or returned, under the lock (kept once finalized)."""
-        if held is None:
-            return
-        with self.lock:
-            if self.finalized.is_set() and held.response is not None:
-                _LEFT_AT_SHUTDOWN.append(held.response)
-            held.response = None
-
-    def release_devices(self, devices) -> None:
-        """Release GPU buffers kept for a group (``DeviceTensor``), under the lock."""
-        with self.lock:
-            for device in devices:
+            with self.lock:
                 if self.finalized.is_set():
-                    _LEFT_AT_SHUTDOWN.append(device.tensor)
-                device.release()
+                    _LEFT_AT_SHUTDOWN.append((response, sender))
+                response = sender = None
 
-    def is_cancelled(self, sender) -> bool:
-        """Whether the client cancelled (a round trip; no lock)."""
-        return bool(sender.is_cancelled())
+    def release(self, held: list) -> None:
+        """Empty ``held`` (backend objects a group kept: ``DeviceTensor``s) under the lock."""
+        with self.lock:
+            if self.finalized.is_set():
+                _LEFT_AT_SHUTDOWN.append(list(held))
+            held.clear()
 
-    # -- sub-requests (a worker thread) -----------------------------------------------------
-    def infer(self, model: str, inputs: dict, outputs: list[str], request_id: str,
-              timeout_us: int, keep: frozenset = frozenset(), reduce=None):
+    # -- sub-requests (any thread) ----------------------------------------------------------
+    def infer(self, model: str, inputs: dict, outputs: list[str], request_id: str, gate,
+              keep: frozenset = frozenset(), reduce=None):
         """One sub-request: ``(outputs, None)`` or ``(None, the error response's message)``.
-        CPU outputs are the stub's own arrays (or ``reduce`` of them, computed while the
-        response is alive); an output named in ``keep`` that arrives in GPU memory stays there
-        as a ``DeviceTensor``. Raises on this runtime's own failure (``Finalized`` if the model
-        was finalized meanwhile)."""
+        ``gate()``, called under the lock just before the request is made, returns its timeout
+        (µs) or raises to send nothing. CPU outputs are the stub's own arrays (or ``reduce`` of
+        them, computed while the response is alive); an output named in ``keep`` that arrives
+        in GPU memory stays there as a ``DeviceTensor``. Raises on this runtime's own failure
+        (``Finalized`` if the model was finalized meanwhile)."""
         pb = self.pb
         request = response = tensor = None
         try:
             with self.lock:
+                timeout_us = gate()
                 memory = {} if keep else {"preferred_memory": self._cpu_memory()}
                 request = pb.InferenceRequest(
                     model_name=model, requested_output_names=outputs, request_id=request_id,
@@ -199,10 +147,9 @@ class Backend:
                 for name in outputs:
                     tensor = pb.get_output_tensor_by_name(response, name)
                     if tensor is None:
-                        for device in devices.values():
-                            device.release()
+                        devices.clear()
                         return None, f"the response has no output '{name}'"
-                    if keep and name in keep and not tensor.is_cpu():
+                    if name in keep and not tensor.is_cpu():
                         devices[name] = DeviceTensor(pb.Tensor.from_dlpack(name,
                                                                            tensor.to_dlpack()))
                     else:

@@ -89,9 +89,9 @@ def _by_name(tensors: tuple[TensorSpec, ...], name: str, model: str) -> TensorSp
     raise KeyError(f"model '{model}' has no tensor '{name}'")
 
 
-# The orchestrators answer through response senders, so their queue empties as fast as requests
-# arrive; the queue policy still applies the client's timeout to time spent queued and bounds the
-# queue when the orchestrator applies backpressure (max_inflight_requests).
+# An orchestrator instance runs one batch at a time (every answer is given before execute
+# returns), so requests wait here while its instances are busy: the queue policy applies the
+# client's timeout to that wait and bounds the queue (docs/orchestrator.md, "Overload").
 BLS_BATCHING = BatchingSpec(preferred_batch_sizes=(), max_queue_delay_us=0,
                             queue_timeout_us=30_000_000, max_queue_size=4096)
 
@@ -178,8 +178,14 @@ class PipelineDef:
     description: str = ""
     instance_count: int = 2
     batching: BatchingSpec = BLS_BATCHING
+    # Floating-point inputs that may hold NaN or Inf. Any other FP16/FP32/FP64 input holding one
+    # is refused INVALID_ARG, for that request alone, before its rows are stacked.
+    non_finite: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        unknown_inputs = set(self.non_finite) - {t.name for t in self.inputs}
+        if unknown_inputs:
+            raise ValueError(f"pipeline '{self.name}': non_finite names no input {unknown_inputs}")
         names = [s.name for s in self.stages]
         if len(set(names)) != len(names) or not names:
             raise ValueError(f"pipeline '{self.name}': stage names must be unique, got {names}")

@@ -110,19 +110,6 @@ class DeadlineExceeded(PipelineError):
             stage=stage, model=model, kind=Kind.DEADLINE)
 
 
-class SlotWaitExpired(PipelineError):
-    """The deadline passed while the request waited for one of the orchestrator's slots
-    (``max_inflight_requests``), before its first stage."""
-
-    def __init__(self, model: str, budget_ms: float, limit: str, slots: int) -> None:
-        super().__init__(
-            Code.UNAVAILABLE,
-            f"deadline exceeded in orchestrator '{model}' before its first stage: {limit} of "
-            f"{budget_ms:.0f} ms passed while waiting for one of its {slots} slots "
-            "(max_inflight_requests)",
-            kind=Kind.DEADLINE)
-
-
 def internal_error(model: str, stage: str = "") -> PipelineError:
     """What the client hears of a failure of the orchestrator's own code (its run function, its
     runtime, a ``reduce``): short, naming the stage when there is one; the details go to the

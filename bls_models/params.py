@@ -78,19 +78,12 @@ MAX_DEADLINE = Param(
     "UNAVAILABLE by then). The supervisor reads it too: it stops a replaced copy's stubs only "
     "once this much has passed since the switch, when no request they hold can still be within "
     "its deadline ([reliability.md](reliability.md#a-stub-killed-under-load))", minimum=1)
-MAX_INFLIGHT = Param("max_inflight_requests", "512",
-                     "requests running at once per instance; more wait for a slot", minimum=1)
-MAX_QUEUED = Param(
-    "max_queued_requests", "512",
-    "requests per instance that wait in the orchestrator for a slot, each answered when its "
-    "deadline passes; beyond them `execute` waits, leaving requests in Triton's queue (which rejects "
-    "an expired one only when its batcher reaches it, or after 500 ms with no instance free). "
-    "0: `execute` waits at once (shed load with the queue policy's `max_queue_size`)", minimum=0)
 SUBREQUEST_THREADS = Param(
-    "subrequest_threads", "64",
-    "threads per instance that run its groups and their sub-requests, so sub-requests waiting "
-    "on sub-models at once; must stay below the python backend's `thread-pool-size` (96 as "
-    "launched)", minimum=1)
+    "subrequest_threads", "16",
+    "threads per instance that run its groups and their sub-requests: the most sub-requests out "
+    "at once, abandoned ones (past their deadline, still running) included; a group that finds "
+    "none free is answered UNAVAILABLE. Must stay below the python backend's `thread-pool-size` "
+    "(96 as launched)", minimum=1)
 STAGE_MODEL_REPOSITORIES = Param(
     "stage_model_repositories", "",
     "more repositories (comma-separated paths) in which the load-time check looks for stage "
@@ -102,26 +95,8 @@ GPU_TENSORS = Param(
     "([production.md](production.md#gpu-tensors-between-stages-gpu_tensors)); accepted only by "
     "pipelines with such outputs", choices=("off", "on"), listed=False)
 
-# How long execute waits for its batch's answers: HOLD_FACTOR times the time a batch of its rows
-# is expected to take (the instance's recent batches' median time, or their median time per row
-# times its rows if longer), at least HOLD_FLOOR_MS (FIRST_HOLD_MS until it has seen a few), at
-# most return_within_ms. A batch slower than that is abnormal: its answers go through response
-# senders.
-HOLD_FACTOR = 4
-HOLD_FLOOR_MS = 5
-FIRST_HOLD_MS = 100
-RETURN_WITHIN = Param(
-    "return_within_ms", "1000",
-    "the longest `execute` waits for its batch's answers: it waits up to "
-    f"{HOLD_FACTOR} times the time the recent batches say a batch of its rows takes (at least "
-    f"{HOLD_FLOOR_MS} ms), never "
-    "longer than this, and returns those ready in one message; any other is answered through "
-    "its response sender when it finishes. 0: every answer through its sender "
-    "([orchestrator.md](orchestrator.md#one-request-from-execute-to-its-answer))",
-    minimum=0)
-
-COMMON: tuple[Param, ...] = (DEFAULT_DEADLINE, MAX_DEADLINE, MAX_INFLIGHT, MAX_QUEUED, SUBREQUEST_THREADS,
-                             RETURN_WITHIN, STAGE_MODEL_REPOSITORIES, GPU_TENSORS)
+COMMON: tuple[Param, ...] = (DEFAULT_DEADLINE, MAX_DEADLINE, SUBREQUEST_THREADS,
+                             STAGE_MODEL_REPOSITORIES, GPU_TENSORS)
 
 
 def stage_parameters(stage: str, default_model: str) -> tuple[Param, Param]:
@@ -144,8 +119,6 @@ class OrchestratorConfig:
     stages: dict[str, Stage]
     default_deadline_ms: int
     max_deadline_ms: int         # a client's timeout is cut to it; the supervisor waits it out
-    max_inflight_requests: int   # per instance: requests running at once
-    max_queued_requests: int     # per instance: requests waiting for a slot; then execute waits
     subrequest_threads: int      # per instance: threads running groups and their sub-requests
     # More model repositories in which to find the stage models' configs at load time, for
     # servers started with several --model-repository flags.
@@ -153,7 +126,6 @@ class OrchestratorConfig:
     # Pass-through outputs stay where the sub-model put them (its GPU) and go to the next stage
     # by DLPack, for stages whose model is KIND_GPU; otherwise every output is copied to the CPU.
     gpu_tensors: bool
-    return_within_ms: int        # the longest execute waits for its batch's answers
     # The pipeline's own parameters (PipelineDef.parameters), parsed.
     options: dict[str, object] = field(default_factory=dict)
 
@@ -193,13 +165,10 @@ def parse(values: dict[str, str], accepted: tuple[Param, ...], stages: list[str]
         stages={s: Stage(s, parsed[f"{s}_model"], parsed[f"{s}_timeout_ms"]) for s in stages},
         default_deadline_ms=parsed["default_deadline_ms"],
         max_deadline_ms=parsed["max_deadline_ms"],
-        max_inflight_requests=parsed["max_inflight_requests"],
-        max_queued_requests=parsed["max_queued_requests"],
         subrequest_threads=parsed["subrequest_threads"],
         stage_model_repositories=tuple(
             p.strip() for p in parsed["stage_model_repositories"].split(",") if p.strip()),
         gpu_tensors=parsed.get("gpu_tensors", GPU_TENSORS.default) == "on",
-        return_within_ms=parsed["return_within_ms"],
         options={name: value for name, value in parsed.items()
                  if name not in _COMMON_NAMES | stage_names},
     )

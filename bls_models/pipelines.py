@@ -3,8 +3,8 @@
 Each pipeline is an ``async`` function ``run(inputs, call, setup)`` over numpy arrays that
 reaches its sub-models only through ``await call(stage, inputs, output_names)`` and runs
 independent ones together with ``await gather_all(...)``; its ``PipelineDef`` in ``spec`` names
-it. The runtime drives it (``bls_models.flow``) and sends each sub-request; tests drive it with
-``flow.run`` over fake sub-models. A pipeline raises ``PipelineError`` for anything the client
+it. The runtime drives it (``bls_models.drive``) and sends each sub-request; tests drive it with
+``drive.run`` over fake sub-models. A pipeline raises ``PipelineError`` for anything the client
 should hear about.
 """
 
@@ -14,7 +14,7 @@ from typing import Awaitable, Callable, Protocol, Sequence
 
 import numpy as np
 
-from bls_models import flow
+from bls_models import drive
 from bls_models import spec as S
 from bls_models.definition import Setup
 from bls_models.errors import InvalidInput
@@ -216,7 +216,7 @@ def gather_all(*awaitables: Awaitable) -> Awaitable[list]:
     failures (else the first other failure); their results in order otherwise. Unlike a bare
     ``asyncio.gather``, no branch is left running unobserved when another fails: every
     sub-request a request issued is accounted for before the request is answered."""
-    return flow.gather(*awaitables)
+    return drive.gather(*awaitables)
 
 
 class _ContractSend:
@@ -226,7 +226,7 @@ class _ContractSend:
     def __init__(self, contracts: dict[str, S.ModelSpec]) -> None:
         self.contracts, self.problems, self.stages = contracts, [], set()
 
-    def __call__(self, sub: flow.SubRequest):
+    def __call__(self, sub: drive.Call):
         stage, inputs, outputs, reduce = sub.stage, sub.inputs, sub.outputs, sub.reduce
         contract = self.contracts.get(stage)
         if contract is None:
@@ -303,7 +303,7 @@ def contract_problems(definition, batch: int = 1) -> list[str]:
             if check is not None:
                 for count, _ in asked or ((batch, every),):
                     check({name: value[:count] for name, value in inputs.items()}, setup)
-            outputs = flow.run(definition.run_function()(inputs, flow.SubRequest, setup), call)
+            outputs = drive.run(definition.run_function()(inputs, drive.Call, setup), call)
         except Exception as error:  # noqa: BLE001 - reported, with the contracts it ran under
             problems.append(f"with {where}: the pipeline raised {type(error).__name__}: {error}")
             continue

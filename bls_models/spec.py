@@ -215,7 +215,7 @@ TAG_PIPELINE_DEF = PipelineDef(
     max_batch_size=4,
     # With a LOGITS tagger as the stage model, each response holding 28.7 MB per sequence sits in
     # this stub's shared memory until reduced: the thread count bounds that (8 x 4 x 28.7 MB).
-    defaults={"max_inflight_requests": "256", "subrequest_threads": "8"},
+    defaults={"subrequest_threads": "8"},
     description="BLS: documents of any length cut into overlapping windows for the tagger, "
                 "reduced on the server to per-token argmax and its probability",
 )
@@ -238,7 +238,6 @@ DIGITS_CASCADE_DEF = PipelineDef(
     # As many rows as its stage models take, so the unsure rows of a run go to `large` as one
     # sub-request.
     max_batch_size=DIGITS_LARGE.max_batch_size,
-    defaults={"subrequest_threads": "16"},
     description="BLS: digits_small for every row, digits_large only for the rows it is unsure of",
 )
 PIPELINE_DEFS: tuple[PipelineDef, ...] = (PIPELINE_DEF, TAG_PIPELINE_DEF, DIGITS_CASCADE_DEF)

@@ -97,15 +97,6 @@ def shorten_shutdown(monkeypatch, seconds: float) -> None:
     monkeypatch.setattr(triton_runtime, "SHUTDOWN_THREADS_SECONDS", seconds)
 
 
-def executing(pb: FakePbUtils, request_id: str) -> tuple[Orchestrator, Request]:
-    """A ``pipeline`` over ``pb`` that returns from ``execute`` within 20 ms, executing one image
-    whose id directs the sub-models (``sub_models``: e.g. ``classifier=1.0``)."""
-    orch = orchestrator(pb, return_within_ms="20")
-    request = Request(image_inputs(), request_id=request_id)
-    pb.execute(orch, [request])
-    return orch, request
-
-
 def wait_answered(requests: list[Request], timeout: float = 10.0) -> None:
     give_up = time.monotonic() + timeout
     for request in requests:

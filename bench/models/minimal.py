@@ -1,10 +1,10 @@
 """`pipeline`'s contract as the plainest per-batch BLS: the anchor the runtime is measured against
 (bench only; `bench/anchors.py` serves it as `pipeline_minimal`).
 
-Stack the batch's images, one `exec` per stage (classifier and embedder on two threads), split
-the rows, return every answer. No deadlines, isolation, cancellation or metrics: what any
-orchestration of these three sub-models costs at least on r24.10. Its stage models are
-`pipeline`'s `<stage>_model` parameters; sub-requests carry the batch's request ids.
+A synchronous `execute`: stack the batch's images, `exec` preprocess, the classifier on one
+thread while the embedder runs on this one, split the rows, return every answer. No deadlines,
+isolation, cancellation or metrics: what any orchestration of these three sub-models costs at
+least on r24.10. Its stage models are `pipeline`'s `<stage>_model` parameters.
 """
 
 import concurrent.futures
@@ -31,18 +31,16 @@ class TritonPythonModel:
         parameters = json.loads(args["model_config"]).get("parameters", {})
         self.models = {stage: parameters.get(f"{stage}_model", {}).get("string_value", stage)
                        for stage in ("preprocess", "classifier", "embedder")}
-        self.branches = concurrent.futures.ThreadPoolExecutor(2)
+        self.branch = concurrent.futures.ThreadPoolExecutor(1)
 
     def execute(self, requests):
         images = [pb_utils.get_input_tensor_by_name(r, "IMAGE").as_numpy() for r in requests]
         ids = ",".join(r.request_id() for r in requests)
         pixels = call(self.models["preprocess"], "IMAGE", np.concatenate(images), "PIXELS", ids)
-        classified = self.branches.submit(call, self.models["classifier"], "PIXELS", pixels,
-                                          "LOGITS", ids)
-        embedded = self.branches.submit(call, self.models["embedder"], "PIXELS", pixels,
-                                        "EMBEDDING", ids)
+        classified = self.branch.submit(call, self.models["classifier"], "PIXELS", pixels,
+                                        "LOGITS", ids)
+        embedding = call(self.models["embedder"], "PIXELS", pixels, "EMBEDDING", ids)
         top, probs = softmax_top_k(classified.result())
-        embedding = embedded.result()
         responses, start = [], 0
         for image in images:
             rows = slice(start, start + len(image))

@@ -9,7 +9,9 @@ import pytest
 def made():
     """Orchestrators a test made (``bls_models.triton_runtime.Orchestrator`` over a fake
     ``pb_utils``), finalized afterwards whatever happened; then none of the rules the fake
-    checks (tests/unit/fake_pb_utils.py) may have been broken."""
+    checks may have been broken, the runtime's invariants included (every request answered
+    exactly once, before ``execute`` returned and on time; nothing sent for requests already
+    answered; each request charged only for its own rows: tests/unit/fake_pb_utils.py)."""
     made: list = []
     yield made
     for orchestrator in made:
@@ -18,17 +20,6 @@ def made():
             fake.finalize(orchestrator)
         else:
             orchestrator.close()
-    for orchestrator in made:
-        fake = orchestrator.backend.pb
-        assert getattr(fake, "violations", []) == [], fake.violations
-
-
-@pytest.fixture
-def long_hold(monkeypatch):
-    """``execute`` waits for its batch up to ``return_within_ms`` (1 s as committed), whatever
-    the recent batches took: tests of the normal path that must not depend on how busy the host
-    is (params.HOLD_FLOOR_MS, FIRST_HOLD_MS)."""
-    from bls_models import params
-
-    monkeypatch.setattr(params, "HOLD_FLOOR_MS", 60_000)
-    monkeypatch.setattr(params, "FIRST_HOLD_MS", 60_000)
+    for fake in {id(o.backend.pb): o.backend.pb for o in made}.values():
+        violations = fake.check() if hasattr(fake, "check") else []
+        assert violations == [], violations

@@ -35,6 +35,13 @@ What it holds to, as r24.10 does (source files of triton-inference-server/python
   ``is_cancelled``, ``metric`` (creating or incrementing a metric) and ``Logger``. The fake's
   own sub-models build their responses without the faults.
 * **After finalize** returned, every pb_utils call is a violation.
+* **The runtime's invariants** (bls_models/triton_runtime.py), checked by ``check()`` after every
+  unit test (tests/unit/conftest.py): every request handed to ``execute`` got exactly one final
+  answer, and before ``execute`` returned (a send after that is owed past ``execute``: lost
+  when a stub dies); no answer came later than its deadline + ``DEADLINE_SLACK``; no
+  sub-request was made for requests that were all answered already (a closed group sends
+  nothing more); and, where a test says what each request must get (``expect``), a success
+  carries exactly its own rows' outputs and INVALID_ARG goes only to a request that is bad.
 * **No lock across a round trip.** ``fake.forbidden_locks`` lists locks that must not be held by
   the calling thread during ``send``, ``is_cancelled`` and metric increments (each an IPC round
   trip to the server in r24.10).
@@ -50,6 +57,10 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 import numpy as np
+
+
+# How late an answer may come past its deadline on a busy 2-core host (docs/reliability.md).
+DEADLINE_SLACK = 0.5
 
 
 class SubModelError(Exception):
@@ -147,6 +158,7 @@ class Sender:
     asked: int = 0  # is_cancelled() calls: each is an IPC round trip in the real stub
     delay: float = 0.0  # seconds a send takes (a slow round trip to the server)
     fake: "FakePbUtils | None" = None
+    request: "Request | None" = None
 
     def send(self, response=None, flags=0) -> None:
         fake = self.fake
@@ -159,6 +171,9 @@ class Sender:
                 if fake is not None:
                     fake.violation("a second send on a closed response sender")
                 raise RuntimeError("Unable to send response. Response sender has been closed.")
+            if self.request is not None and self.request.released and fake is not None:
+                fake.violation("an answer sent after execute returned: owed past execute, lost "
+                               "if the stub dies")
             self.closed, self.attempts = True, self.attempts + 1
             self.answered_at = time.monotonic()
         try:
@@ -197,15 +212,20 @@ class Request:
         # The request's memory, not numpy's (as shared memory is): a runtime that keeps an
         # input must copy it (``backend.owns_memory`` says it does not own it).
         self._buffers = {name: _foreign(np.asarray(value)) for name, value in inputs.items()}
+        self._sent = {name: np.array(value, copy=True) for name, value in inputs.items()}
         self._id, self._timeout, self._outputs = request_id, timeout_us, list(outputs)
         self.sender = Sender()
+        self.sender.request = self
         self.returned = None  # a response execute returned for it
         self.released = False
         self.fake: FakePbUtils | None = None
+        self.executed_at: float | None = None  # when execute was called with it
+        self.deadline_s: float | None = None   # its deadline, from then
 
     # What the tests read (not a pb_utils call).
     def input(self, name: str) -> np.ndarray:
-        return self._buffers[name]
+        """What the client sent (the request's own memory is overwritten at release)."""
+        return self._sent[name]
 
     @property
     def answers(self) -> list:
@@ -245,6 +265,14 @@ class Request:
     def get_response_sender(self) -> Sender:
         self._use("get_response_sender")
         return self.sender
+
+    def is_cancelled(self) -> bool:
+        """A round trip to the server (r24.10 ``pb_cancel.cc``); only while the request lives."""
+        if self.fake is not None:
+            self.fake.enter("is_cancelled", ipc=True)
+        self._use("is_cancelled")
+        self.sender.asked += 1
+        return self.sender.cancelled.is_set()
 
     def release(self) -> None:
         """What r24.10 does when execute returns: the request's memory goes back to the pool."""
@@ -311,6 +339,10 @@ class FakePbUtils:
         # the producing instance's memory)
         self.output_memory: list[tuple[str, tuple | None]] = []
         self.violations: list[str] = []
+        self.executed: list[Request] = []       # every request handed to execute
+        self.by_id: dict[str, Request] = {}     # those with a unique id
+        self.reference = None  # request -> the outputs it must get (None: not known)
+        self.culprit = None    # request -> whether it is bad (INVALID_ARG is its due)
         self.finalizing = False
         self.finalized = False
         self.forbidden_locks: list = []
@@ -360,6 +392,7 @@ class FakePbUtils:
                          timeout=0, preferred_memory=None, **_) -> None:
                 fake.enter("InferenceRequest")
                 fake.faults.check("InferenceRequest")
+                fake.check_wanted(request_id)
                 self.model, self.inputs = model_name, {t.name(): t.as_numpy() for t in inputs}
                 self.outputs, self.request_id = list(requested_output_names), request_id
                 self.timeout, self.preferred_memory = timeout, preferred_memory
@@ -402,6 +435,51 @@ class FakePbUtils:
                 if _held_by_this_thread(lock):
                     self.violation(f"{name} (a round trip to the server) called holding a lock")
 
+    def check_wanted(self, request_id: str) -> None:
+        """A sub-request for client requests that were all answered already is one a closed
+        group should not have sent."""
+        ids = [i for i in request_id.split(",") if i]
+        with self.state:
+            known = [self.by_id.get(i) for i in ids]
+        if ids and all(r is not None and r.sender.closed for r in known):
+            self.violation(f"a sub-request for requests all answered already: {request_id}")
+
+    def expect(self, reference=None, culprit=None) -> None:
+        """What each request must get: ``reference(request)`` its outputs (None: not known),
+        ``culprit(request)`` whether it is bad."""
+        self.reference, self.culprit = reference, culprit
+
+    def check(self) -> list[str]:
+        """The runtime's invariants over every request executed so far (see the docstring);
+        returns the violations, all of them recorded."""
+        for request in self.executed:
+            answers = request.answers
+            name = request._id or "a request"
+            if len(answers) != 1:
+                self.violation(f"{name} got {len(answers)} answers")
+                continue
+            if request.deadline_s is not None and request.sender.answered_at is not None:
+                late = (request.sender.answered_at - request.executed_at
+                        - request.deadline_s)
+                if late > DEADLINE_SLACK:
+                    self.violation(f"{name} was answered {late:.3f} s past its deadline")
+            response = answers[0]
+            bad = self.culprit(request) if self.culprit else None
+            if response.has_error():
+                if (response.error().code() == TritonError.INVALID_ARG and bad is False):
+                    self.violation(f"{name} got another request's INVALID_ARG: "
+                                   f"{response.error().message()}")
+                continue
+            if bad:
+                self.violation(f"{name} is bad and succeeded")
+            wanted = self.reference(request) if self.reference else None
+            if wanted is not None:
+                got = {t.name(): t.as_numpy() for t in response.output_tensors}
+                if set(got) != set(wanted) or not all(
+                        np.array_equal(got[n], v) for n, v in wanted.items()):
+                    self.violation(f"{name} did not get exactly its own rows' outputs")
+        return self.violations
+
     def violation(self, what: str) -> None:
         with self.state:
             self.violations.append(what)
@@ -409,8 +487,21 @@ class FakePbUtils:
     # -- the stub's side ----------------------------------------------------------------------
     def execute(self, model, requests: list[Request], decoupled: bool = False):
         """Call ``model.execute(requests)`` as r24.10's stub does, then release the requests."""
-        for request in requests:
-            request.fake = request.sender.fake = self
+        now = time.monotonic()
+        config = getattr(model, "config", None)
+        with self.state:
+            for request in requests:
+                request.fake = request.sender.fake = self
+                request.executed_at = now
+                if config is not None:
+                    timeout = request._timeout / 1e6
+                    request.deadline_s = (config.default_deadline_ms / 1e3 if timeout <= 0 else
+                                          min(timeout, config.max_deadline_ms / 1e3))
+                self.executed.append(request)
+                if request._id and request._id not in self.by_id:
+                    self.by_id[request._id] = request
+                elif request._id:
+                    self.by_id[request._id] = None  # not unique: not checked by id
         try:
             returned = model.execute(requests)
         except BaseException as error:  # noqa: BLE001 - r24.10 deletes every factory: a double free

@@ -78,8 +78,8 @@ class DirectedRowModels:
         return {"EMBEDDING": np.repeat(pixels[:, :1, 0, 0], S.EMBEDDING_DIM, axis=1)}
 
 
-def image_of(value: int) -> dict[str, np.ndarray]:
-    return {"IMAGE": np.full((1, *S.IMAGE.dims), value, np.uint8)}
+def image_of(value: int, rows: int = 1) -> dict[str, np.ndarray]:
+    return {"IMAGE": np.full((rows, *S.IMAGE.dims), value, np.uint8)}
 
 
 def expected(value: int) -> dict[str, np.ndarray]:
@@ -101,3 +101,36 @@ def code_of(response) -> str:
 def exact(response, value: int) -> bool:
     outputs = {t.name(): t.as_numpy() for t in response.output_tensors}
     return all(np.array_equal(outputs[name], array) for name, array in expected(value).items())
+
+
+def value_of(request) -> int | None:
+    """The value of a request made with ``image_of`` (every pixel of every row the same)."""
+    if "IMAGE" not in request._sent:
+        return None
+    image = request.input("IMAGE")
+    first = int(image.flat[0])
+    return first if image.size and (image == first).all() else None
+
+
+def expect_exact(pb, poisoned_stages: tuple[str, ...] = ("classifier",)) -> None:
+    """Hold ``pb``'s check to each request getting exactly ``expected`` of its image (its
+    requested outputs, every row), and INVALID_ARG only for a poisoned one."""
+    def reference(request):
+        value = value_of(request)
+        if value is None or value == POISON:
+            return None
+        rows = request.input("IMAGE").shape[0]
+        wanted = request._outputs or ["CLASS_IDS", "CLASS_PROBS", "EMBEDDING"]
+        return {name: np.repeat(array, rows, axis=0)
+                for name, array in expected(value).items() if name in wanted}
+
+    def culprit(request):
+        value = value_of(request)
+        if value is None:
+            return None
+        wanted = request._outputs or ["CLASS_IDS", "CLASS_PROBS", "EMBEDDING"]
+        through = {"classifier": {"CLASS_IDS", "CLASS_PROBS"}, "embedder": {"EMBEDDING"}}
+        return value == POISON and any(through[stage] & set(wanted)
+                                       for stage in poisoned_stages)
+
+    pb.expect(reference, culprit)
