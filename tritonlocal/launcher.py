@@ -42,7 +42,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tritonlocal import backend_build, flags, liveness, procs, reload, runtime
+from tritonlocal import backend_build, drain, flags, liveness, procs, reload, runtime
 from tritonlocal.runtime import LauncherError
 
 SHM = Path("/dev/shm")
@@ -303,7 +303,8 @@ class TritonServer:
         """The HTTP header the admin APIs answer (over gRPC: ``flags.GRPC_PREFIX`` + its name)."""
         return dict([self.credential])
 
-    def liveness(self, timeout: float = 5.0, retired: set[int] | None = None) -> liveness.Report:
+    def liveness(self, timeout: float = 5.0, retired: set[int] | None = None,
+                 max_memory_mib: float = 0.0) -> liveness.Report:
         """Is the server live with every stub running? (``tritonlocal.liveness.check``)
 
         The instances each model should have are read from the server once per server process:
@@ -320,7 +321,7 @@ class TritonServer:
                 self._expected = None  # not answering yet: check() reports it, and asks again
         expected = self._expected[1] if self._expected else None
         return liveness.check(self.http_url, pid, timeout=timeout, headers=headers,
-                              expected=expected, retired=retired)
+                              expected=expected, retired=retired, max_memory_mib=max_memory_mib)
 
     def log_tail(self, lines: int = 40) -> str:
         """The log's last ``lines``, the repository API's header redacted (error messages quote
@@ -421,6 +422,10 @@ class TritonServer:
         return f"{head}\nlog {self.log_file} (last lines):\n{self.log_tail()}"
 
 
+# How long a drain may take (what tritonserver's own --exit-timeout-secs would have allowed).
+DRAIN_GRACE_SECONDS = drain.DRAIN_SECONDS
+
+
 class Supervisor:
     """Keeps a ``TritonServer`` serving. Every ``interval`` seconds it checks the server
     (``tritonlocal.liveness``) and
@@ -431,7 +436,11 @@ class Supervisor:
       liveness probe then reports, while the others keep serving);
     * restarts the whole server (stop with ``restart_grace``, then start on the same ports) when
       tritonserver has exited, when ``/v2/health/live`` has not answered 200 for
-      ``unresponsive_seconds`` (checks in a row), or when a reload failed.
+      ``unresponsive_seconds`` (checks in a row), or when a reload failed;
+    * drains and restarts it when its resident memory is over ``max_server_memory_mib``: the
+      models that call others are unloaded first (``tritonlocal.drain``: they answer what they
+      hold, for up to ``drain_grace`` seconds, and refuse the rest), then it is stopped and
+      started again.
 
     A check costs ~3.5 ms of CPU (``/proc`` and two HTTP calls); every 0.5 s, a dead stub is found
     within 0.25 s on average (docs/reliability.md).
@@ -445,19 +454,23 @@ class Supervisor:
     def __init__(self, server: TritonServer, interval: float = 0.5, restart_grace: float = 10.0,
                  unresponsive_seconds: float = 3.0, max_restarts: int = 5, window: float = 600.0,
                  max_reloads: int = 5, retire_grace: float = 5.0, state_dir: str | None = None,
-                 log=print) -> None:
+                 max_server_memory_mib: float = liveness.MAX_SERVER_MEMORY_MIB,
+                 drain_grace: float = DRAIN_GRACE_SECONDS, log=print) -> None:
         self.server = server
         self.interval = interval
         self.restart_grace = restart_grace
         self.unresponsive_checks = max(1, round(unresponsive_seconds / interval))
         self.max_restarts = max_restarts
         self.window = window
+        self.max_server_memory_mib = max_server_memory_mib
+        self.drain_grace = drain_grace
         self.log = log
         self.events: list[tuple[float, str]] = []
         self.restarts: list[float] = []
         self.reloader = reload.Reloader(server.http_url, server.admin_headers, interval,
                                         max_reloads, window, retire_grace, state_dir, log=log)
         self._unresponsive = 0
+        self._drain = False  # the next restart drains the server first
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.error: BaseException | None = None
@@ -472,7 +485,11 @@ class Supervisor:
         reloader = self.reloader
         reloader.attach(process.pid)  # publishes the state: fresh at every check
         reloader.kill_due()
-        report = self.server.liveness(retired=reloader.retired)
+        report = self.server.liveness(retired=reloader.retired,
+                                      max_memory_mib=self.max_server_memory_mib)
+        if report.over_memory:
+            self._drain = True
+            return report.summary()
         if not report.live:
             self._unresponsive += 1
             if self._unresponsive >= self.unresponsive_checks:
@@ -499,6 +516,13 @@ class Supervisor:
                                 f"{self.window:.0f} s; giving up. Last reason: {reason}")
         self.log(f"supervisor: {reason}; restarting tritonserver "
                  f"(restart {len(self.restarts)} within {self.window:.0f} s)")
+        if self._drain:  # a healthy server: let it answer what it holds first
+            self._drain = False
+            try:
+                drain.drain(self.server.http_url, self.server.admin_headers, self.drain_grace,
+                            log=lambda line: self.log(f"supervisor: {line}"))
+            except (OSError, RuntimeError, ValueError) as error:
+                self.log(f"supervisor: drain failed ({error}); stopping all the same")
         self.server.stop(self.restart_grace)
         self.server.start()
         self._unresponsive = 0

@@ -51,6 +51,11 @@ from dataclasses import dataclass, field
 from tritonlocal import procs, reload_state
 
 STUB_BACKENDS = ("python",)
+# The most resident memory tritonserver may hold before it is drained and restarted as a whole
+# (MiB; $TRITONLOCAL_MAX_SERVER_MEMORY_MIB; 0: no bound). A replaced copy of a model that r24.10
+# cannot free grows the server without end; with the orchestrators' answers all given within
+# execute there is none, and this bound is the safety net (docs/reliability.md, "Memory").
+MAX_SERVER_MEMORY_MIB = 4096
 
 ALIVE, NOT_ALIVE, UNKNOWN = 0, 1, 2   # exit codes of the command
 
@@ -74,6 +79,13 @@ class Report:
     watched: bool = False                        # a reloader's fresh state covers this server
     reloading: list[str] = field(default_factory=list)  # models a reloader is reloading now
     failed: dict[str, str] = field(default_factory=dict)  # models a reloader gave up on, why
+    memory_mib: float = 0.0                      # tritonserver's resident memory
+    max_memory_mib: float = 0.0                  # its bound (0: none)
+
+    @property
+    def over_memory(self) -> bool:
+        """tritonserver holds more than its bound: drain and restart it as a whole."""
+        return bool(self.max_memory_mib) and self.memory_mib > self.max_memory_mib
 
     @property
     def ok(self) -> bool:
@@ -83,7 +95,7 @@ class Report:
     @property
     def alive(self) -> bool:
         """The liveness probe's answer: no reason to restart the server (or the pod)."""
-        if not self.live or self.failed:
+        if not self.live or self.failed or self.over_memory:
             return False
         return self.watched or not (self.zombies or self.missing)
 
@@ -97,10 +109,13 @@ class Report:
         return sorted({model_of(instance) for instance in self.missing})
 
     def summary(self) -> str:
-        if self.ok and not self.reloading:
+        if self.ok and not self.reloading and not self.over_memory:
             return (f"alive: tritonserver {self.server_pid} is live and every stub of "
                     f"{len(self.checked_models)} stub-backed model(s) is running")
         problems = []
+        if self.over_memory:
+            problems.append(f"tritonserver holds {self.memory_mib:.0f} MiB, over its bound of "
+                            f"{self.max_memory_mib:.0f} MiB: drain and restart it")
         if self.failed:
             problems.append("given up after repeated reloads: " + "; ".join(
                 f"{model} ({why})" for model, why in sorted(self.failed.items())))
@@ -125,7 +140,9 @@ class Report:
                 "zombies": self.zombies, "missing": self.missing, "dead_models": self.dead_models,
                 "checked_models": self.checked_models, "notes": self.notes, "alive": self.alive,
                 "ready": self.ready, "serving": self.serving, "watched": self.watched,
-                "reloading": self.reloading, "failed": self.failed}
+                "reloading": self.reloading, "failed": self.failed,
+                "memory_mib": round(self.memory_mib, 1), "max_memory_mib": self.max_memory_mib,
+                "over_memory": self.over_memory}
 
 
 class CheckError(RuntimeError):
@@ -207,12 +224,13 @@ def expected_instances(url: str, stub_backends=STUB_BACKENDS, timeout: float = 5
 def check(url: str, server_pid: int | None = None, stub_backends=STUB_BACKENDS,
           timeout: float = 5.0, headers: dict[str, str] | None = None,
           expected: dict[str, list[str]] | None = None, retired: set[int] | None = None,
-          state=None, ready: bool = False) -> Report:
+          state=None, ready: bool = False, max_memory_mib: float = 0.0) -> Report:
     """``expected`` (model -> instance names, from ``expected_instances``) saves asking the
     server for every config again (a reload by ``tritonlocal.reload`` keeps them). ``retired``:
     stub pids of replaced copies of a model, ignored. ``state``: a reloader's
     ``tritonlocal.reload_state.State`` for this server (its retired pids, reloads and failures).
-    ``ready``: also ask ``/v2/health/ready``."""
+    ``ready``: also ask ``/v2/health/ready``. ``max_memory_mib``: tritonserver's bound (0:
+    none)."""
     if server_pid is None:
         server_pid = the_server()
     if not procs.alive(server_pid):
@@ -233,7 +251,9 @@ def check(url: str, server_pid: int | None = None, stub_backends=STUB_BACKENDS,
         retired |= set(state.retired)
     stubs = [s for s in stubs_of(server_pid) if s.pid not in retired]
     report = Report(server_pid=server_pid, live=live, notes=notes,
-                    zombies=[s.pid for s in stubs if s.state == "Z"])
+                    zombies=[s.pid for s in stubs if s.state == "Z"],
+                    memory_mib=procs.memory_mib(server_pid).get("VmRSS", 0.0),
+                    max_memory_mib=max_memory_mib)
     if state is not None:
         report.watched = state.fresh()
         report.reloading = sorted(state.reloading)
@@ -255,6 +275,15 @@ def check(url: str, server_pid: int | None = None, stub_backends=STUB_BACKENDS,
             report.missing = sorted(name for names in expected.values() for name in names
                                     if name not in running)
     return report
+
+
+def memory_bound_argument(parser: argparse.ArgumentParser) -> None:
+    default = float(os.environ.get("TRITONLOCAL_MAX_SERVER_MEMORY_MIB", MAX_SERVER_MEMORY_MIB))
+    parser.add_argument("--max-server-memory-mib", type=float, default=default,
+                        help="tritonserver's resident memory bound in MiB, past which it is "
+                             "not live: drained and restarted as a whole (default "
+                             f"$TRITONLOCAL_MAX_SERVER_MEMORY_MIB or {MAX_SERVER_MEMORY_MIB}; "
+                             "0: none)")
 
 
 def model_of(instance: str) -> str:
@@ -289,6 +318,7 @@ def main(argv: list[str] | None = None) -> int:
                              "live stub, a model is being reloaded, or /v2/health/ready fails")
     parser.add_argument("--state-dir", help="where the reloader publishes its state (default "
                                             "$TRITONLOCAL_STATE_DIR or the temporary directory)")
+    memory_bound_argument(parser)
     args = parser.parse_args(argv)
     given = args.header if args.header is not None else [os.environ.get(
         "TRITONLOCAL_ADMIN_HEADER", "")]
@@ -298,7 +328,8 @@ def main(argv: list[str] | None = None) -> int:
         server_pid = args.server_pid if args.server_pid is not None else the_server()
         state = reload_state.State.read(reload_state.state_path(server_pid, args.state_dir))
         report = check(args.url, server_pid, (*STUB_BACKENDS, *args.stub_backend),
-                       args.timeout, headers, state=state, ready=args.ready)
+                       args.timeout, headers, state=state, ready=args.ready,
+                       max_memory_mib=args.max_server_memory_mib)
     except CheckError as error:
         print(f"unknown: {error}", file=sys.stderr)
         return UNKNOWN

@@ -138,8 +138,13 @@ def alive(pid: int) -> bool:
 
 def kill(pid: int) -> bool:
     """SIGKILL ``pid``; False if it could not be signalled (gone, or not ours)."""
+    return signal_process(pid, signal.SIGKILL)
+
+
+def signal_process(pid: int, sig: int) -> bool:
+    """Send ``sig`` to ``pid``; False if it could not be signalled (gone, or not ours)."""
     try:
-        os.kill(pid, signal.SIGKILL)
+        os.kill(pid, sig)
     except OSError:
         return False
     return True

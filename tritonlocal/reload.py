@@ -43,7 +43,8 @@ import urllib.parse
 import urllib.request
 from dataclasses import dataclass
 
-from tritonlocal import liveness, procs
+from tritonlocal import drain, liveness, procs
+from tritonlocal.drain import _call
 from tritonlocal.reload_state import State, state_path
 
 RELOAD_PARAMETER = "tritonlocal.reload"
@@ -74,18 +75,6 @@ class ReloadError(RuntimeError):
     """The server refused or failed a reload."""
 
 
-
-
-def _call(url: str, path: str, headers: dict[str, str], body: dict | None = None,
-          timeout: float = 120.0) -> tuple[int, bytes]:
-    data = None if body is None else json.dumps(body).encode()
-    request = urllib.request.Request(f"http://{url}{path}", data=data, headers=headers,
-                                     method="GET" if body is None else "POST")
-    try:
-        with urllib.request.urlopen(request, timeout=timeout) as response:
-            return response.status, response.read()
-    except urllib.error.HTTPError as error:
-        return error.code, error.read()
 
 
 def model_config(url: str, model: str, headers: dict[str, str], timeout: float = 120.0) -> dict:
@@ -326,6 +315,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--retire-grace", type=float, default=5.0,
                         help="seconds a replaced copy's stubs live past the longest deadline "
                              "their model allows (its max_deadline_ms; default 5)")
+    liveness.memory_bound_argument(parser)
     args = parser.parse_args(argv)
     if not args.header or "=" not in args.header:
         parser.error("the admin credential is needed (--header NAME=VALUE)")
@@ -366,9 +356,20 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 report = liveness.check(args.url, servers[0], headers={name: value},
                                         retired=reloader.retired,
-                                        expected=expected[1] if expected else None)
+                                        expected=expected[1] if expected else None,
+                                        max_memory_mib=args.max_server_memory_mib)
             except liveness.CheckError:
                 continue
+            if report.over_memory:
+                # Drained (tritonlocal.drain), then SIGTERM: tritonserver exits and the
+                # container's restart policy (or Kubernetes) starts it again.
+                print(f"watcher: {report.summary()}", file=sys.stderr, flush=True)
+                try:
+                    drain.drain(args.url, {name: value},
+                                log=lambda line: print(line, file=sys.stderr, flush=True))
+                finally:
+                    procs.signal_process(servers[0], signal.SIGTERM)
+                break
             if report.live:
                 reloader.handle(report)
     finally:

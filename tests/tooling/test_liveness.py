@@ -58,3 +58,37 @@ def test_the_probe_sends_the_admin_credential_from_its_environment(monkeypatch, 
     assert liveness.main([]) == liveness.ALIVE
     assert sent == [{"triton-admin-key": "a" * 64}, {"x-other": "1"}, {}]
     assert "a" * 64 not in capsys.readouterr().out
+
+
+def test_a_server_over_its_memory_bound_is_not_alive_and_the_summary_says_why():
+    within = Report(server_pid=1, live=True, memory_mib=900.0, max_memory_mib=1024.0)
+    assert within.alive and not within.over_memory
+    over = Report(server_pid=1, live=True, memory_mib=1100.0, max_memory_mib=1024.0)
+    assert over.over_memory and not over.alive
+    assert "1100 MiB, over its bound of 1024 MiB" in over.summary()
+    assert over.as_dict()["over_memory"] is True
+    unbounded = Report(server_pid=1, live=True, memory_mib=10**6, max_memory_mib=0.0)
+    assert unbounded.alive
+
+
+def test_the_probe_takes_the_memory_bound_from_its_environment(monkeypatch):
+    """Kubernetes sets TRITONLOCAL_MAX_SERVER_MEMORY_MIB (deploy/kubernetes/deployment.yaml);
+    past it the liveness probe fails, so the pod is drained and restarted."""
+    from tritonlocal import liveness
+
+    bounds = []
+
+    def check(url, pid, backends, timeout, headers, **kwargs):
+        bounds.append(kwargs["max_memory_mib"])
+        return Report(server_pid=pid, live=True, memory_mib=3000.0,
+                      max_memory_mib=kwargs["max_memory_mib"])
+
+    monkeypatch.setattr(liveness, "check", check)
+    monkeypatch.setattr(liveness, "the_server", lambda: 4242)
+    monkeypatch.setenv("TRITONLOCAL_STATE_DIR", "/nonexistent-state-dir")
+    monkeypatch.setenv("TRITONLOCAL_MAX_SERVER_MEMORY_MIB", "2048")
+    assert liveness.main([]) == liveness.NOT_ALIVE
+    assert liveness.main(["--max-server-memory-mib", "0"]) == liveness.ALIVE
+    monkeypatch.delenv("TRITONLOCAL_MAX_SERVER_MEMORY_MIB")
+    assert liveness.main([]) == liveness.ALIVE
+    assert bounds == [2048.0, 0.0, float(liveness.MAX_SERVER_MEMORY_MIB)]
