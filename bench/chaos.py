@@ -15,8 +15,14 @@ innocent; every request carries a unique id and a deadline.
 Guarantees, each checked in the verdict (``Chaos.clean``, bench/chaos_accounting.py): every
 request is accounted for exactly once (0 lost, duplicated or mismatched, apart from a bounded
 number of orphans of the kills); innocent requests fail only in flight at a kill; bad inputs are
-never answered with a success; every answer comes within its deadline + 0.5 s; 0 whole-server
-restarts, and a reload after every kill. It writes chaos.{json,csv,png,md} into ``--out``
+never answered with a success; at most 0.5 % of the answers come later than their deadline +
+0.5 s beyond the client's own ingest; 0 whole-server restarts, and a reload after every kill.
+
+The client's own ingest: before the load, the same clients (concurrency, protocols, families,
+tensors) send for ``INGEST_S`` to models that answer at once (``echo_image``, ``echo_tokens``:
+python models with each family's input, written beside the test repository). The p99 of what
+they wait there, per protocol and family, is what sending, reading and Triton's front end take
+with no model in the way; lateness is counted beyond it. It writes chaos.{json,csv,png,md} into ``--out``
 (bench/chaos_report.py), every request's outcome into ``--raw`` (git-ignored), and exits
 non-zero unless the run was clean.
 """
@@ -47,6 +53,8 @@ from tritonlocal import launcher, procs
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = ("pipeline", "tag_pipeline")            # the load, and the stubs that are killed
 POISON_MODEL = "pipeline_poison_embedder"        # its embedder stage fails a poisoned batch
+ECHO = {"pipeline": "echo_image", "tag_pipeline": "echo_tokens"}  # answer at once: the ingest
+INGEST_S = 10.0
 WATCHED = (*MODELS, POISON_MODEL)                # stubs whose memory is reported one by one
 MIB = 2**20
 RAMP_S = 5.0
@@ -112,6 +120,76 @@ def draw(rng: np.random.Generator, family: str, inputs: Inputs, deadline_s: floa
     return Request(model, family, kind, tensor, deadline, deadline + grace_s)
 
 
+# -- the client's own ingest ------------------------------------------------------------------
+ECHO_MODEL_PY = '''"""Answers every request at once (bench.chaos: the client's own ingest)."""
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        return [pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor(
+            "ECHO", np.zeros((len(pb_utils.get_input_tensor_by_name(r, name).as_numpy()), 1),
+                             np.uint8))])
+                for r in requests
+                for name in [next(t.name() for t in r.inputs())]]
+'''
+
+
+def write_echo_models(target: Path) -> Path:
+    """``echo_image`` and ``echo_tokens``: each family's orchestrator's input, batching and
+    instances, answering at once."""
+    from dataclasses import replace
+
+    from modelgen import configs
+
+    for family, name in ECHO.items():
+        spec = S.PIPELINE if family == "pipeline" else S.TAG_PIPELINE
+        echo = replace(spec, name=name, outputs=(S.TensorSpec("ECHO", "TYPE_UINT8", (1,)),),
+                       parameters={}, orchestrates="", description="answers at once")
+        (target / name / "1").mkdir(parents=True)
+        (target / name / "config.pbtxt").write_text(configs.render(echo))
+        (target / name / "1" / "model.py").write_text(ECHO_MODEL_PY)
+    return target
+
+
+async def ingest(server: launcher.TritonServer, concurrency: int, seconds: float,
+                 tag_share: float, http_share: float, inputs: "Inputs") -> dict[str, dict]:
+    """What the clients wait for models that answer at once, per "<protocol> <family>": p50, p99
+    and the most, ms, and how many requests."""
+    import tritonclient.grpc.aio as grpcaio
+    import tritonclient.http.aio as httpaio
+
+    grpc = grpcaio.InferenceServerClient(server.grpc_url)
+    http = httpaio.InferenceServerClient(server.http_url, conn_limit=concurrency)
+    waited: dict[str, list[float]] = collections.defaultdict(list)
+    stop_at = time.monotonic() + seconds
+    tag_clients = round(concurrency * tag_share)
+    http_every = max(1, round(1 / http_share)) if http_share > 0 else 0
+
+    async def client(index: int) -> None:
+        family = "tag_pipeline" if index < tag_clients else "pipeline"
+        protocol = "http" if http_every and index % http_every == http_every - 1 else "grpc"
+        name, dtype, data = inputs.good[family]
+        module = grpcaio if protocol == "grpc" else httpaio
+        await asyncio.sleep(RAMP_S * index / concurrency)
+        while time.monotonic() < stop_at:
+            tensor = module.InferInput(name, list(data.shape), dtype)
+            tensor.set_data_from_numpy(data)
+            began = time.monotonic()
+            await (grpc if protocol == "grpc" else http).infer(ECHO[family], [tensor])
+            waited[f"{protocol} {family}"].append(time.monotonic() - began)
+
+    try:
+        await asyncio.gather(*(client(i) for i in range(concurrency)))
+    finally:
+        await grpc.close()
+        await http.close()
+    return {key: {"p50": float(np.percentile(v, 50) * 1e3), "p99": float(np.percentile(v, 99) * 1e3),
+                  "max": float(max(v) * 1e3), "n": len(v)} for key, v in sorted(waited.items())}
+
+
 # -- memory of the server's processes -------------------------------------------------------------
 def shm_regions() -> list[Path]:
     """The python backend's shared-memory regions of the servers this process started (the
@@ -152,16 +230,25 @@ async def run(server: launcher.TritonServer, supervisor: launcher.Supervisor, se
               concurrency: int = 256, seed: int = 29, deadline_s: float = 10.0,
               grace_s: float = 30.0, kill_every: float = 90.0, tag_share: float = 0.125,
               http_share: float = 0.25, sample_every: float = 2.0, progress=print,
-              outcomes: list[Outcome] | None = None, poison_mates: float = 0.5) -> Chaos:
+              outcomes: list[Outcome] | None = None, poison_mates: float = 0.5,
+              ingest_s: float = INGEST_S) -> Chaos:
     """The chaos load against ``server`` (watched by ``supervisor``, already started) for
     ``seconds``, then every request still in flight awaited, the last reload waited for, and
-    the accounting done. Each request's outcome is appended to ``outcomes`` if given."""
+    the accounting done. Each request's outcome is appended to ``outcomes`` if given. First, for
+    ``ingest_s``, the clients' own ingest (the server must serve ``write_echo_models``' models;
+    0: not measured, no allowance)."""
     import tritonclient.grpc.aio as grpcaio
     import tritonclient.http.aio as httpaio
     from tritonclient.utils import InferenceServerException
 
     chaos = Chaos(seconds, concurrency, seed, deadline_s)
     inputs = Inputs()
+    if ingest_s:
+        progress(f"chaos: measuring the clients' own ingest for {ingest_s:.0f} s")
+        chaos.ingest_ms = await ingest(server, concurrency, ingest_s, tag_share, http_share,
+                                       inputs)
+        progress("chaos: ingest p99 " + ", ".join(f"{k} {v['p99']:.0f} ms"
+                                                  for k, v in chaos.ingest_ms.items()))
     grpc = grpcaio.InferenceServerClient(server.grpc_url)
     http = httpaio.InferenceServerClient(server.http_url, conn_limit=concurrency,
                                          conn_timeout=deadline_s + grace_s + 30)
@@ -317,8 +404,10 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="bench-chaos-") as scratch:
         variants = repository.build_test_repository(Path(scratch) / "variants",
                                                      args.model_repository)
+        echo = write_echo_models(Path(scratch) / "echo")
         options = launcher.on_free_ports(args.model_repository, log, stop_grace=5.0,
-                                         extra_args=[f"--model-repository={variants}"])
+                                         extra_args=[f"--model-repository={variants}",
+                                                     f"--model-repository={echo}"])
         with launcher.TritonServer(options) as server:
             print(f"server log: {log}", flush=True)
             supervisor = launcher.Supervisor(server, restart_grace=5.0, retire_grace=5.0,

@@ -14,7 +14,8 @@ from bench import memory, supervision
 
 KINDS = ("good", "bad_dtype", "bad_tokens", "poison", "cancel", "short_deadline")
 BAD = ("bad_dtype", "bad_tokens", "poison")
-ANSWER_SLACK_S = 0.5          # an answer may come this long after its deadline
+ANSWER_SLACK_S = 0.5          # an answer may come this long after its deadline (+ the ingest)
+LATE_SHARE = 0.005            # answers that may come later than that
 AFTER_RELOAD_S = 0.5          # requests sent this soon after the switch may still meet the old copy
 TRITON_QUEUE_TIMEOUT = "Request timeout expired"   # the queue policy's answer (core r24.10)
 
@@ -79,6 +80,8 @@ class Chaos:
     innocent_failed: int = 0              # anywhere else: must be 0
     bad_accepted: int = 0
     answers_late: int = 0                 # answered later than deadline + ANSWER_SLACK_S
+    answers_late_beyond_ingest: int = 0   # ... beyond the client's own ingest too (the verdict's)
+    ingest_ms: dict[str, dict] = field(default_factory=dict)  # "<protocol> <family>" -> p50, p99
     answers_late_by_triton_queue: int = 0  # of which Triton's queue answered (a queue timeout)
     answers_late_at_kills: int = 0        # of which in flight while a model was reloading
     worst_excess_s: float = 0.0           # the latest answer past its deadline (negative: none)
@@ -97,10 +100,21 @@ class Chaos:
     notable: list[dict] = field(default_factory=list)
 
     @property
+    def answered(self) -> int:
+        return sum(counts.get("ok", 0) + counts.get("error", 0)
+                   for counts in self.by_kind.values())
+
+    def allowance_s(self, o: "Outcome") -> float:
+        """The client's own ingest for ``o``'s protocol and family: its p99, seconds."""
+        family = "tag_pipeline" if o.model.startswith("tag_") else "pipeline"
+        return self.ingest_ms.get(f"{o.protocol} {family}", {}).get("p99", 0.0) / 1e3
+
+    @property
     def clean(self) -> bool:
         return (self.lost == 0 and self.duplicates == 0 and self.mismatches == 0
                 and self.orphans <= self.orphan_bound and self.innocent_failed == 0
-                and self.bad_accepted == 0 and self.answers_late == 0
+                and self.bad_accepted == 0
+                and self.answers_late_beyond_ingest <= LATE_SHARE * self.answered
                 and self.server_restarts == 0 and not self.reload_failures
                 and not self.supervisor_error
                 and all(k.reloaded_s is not None for k in self.kills))
@@ -166,7 +180,10 @@ def account(chaos: Chaos, outcomes: list[Outcome], kills: list[tuple[Kill, float
                 worst = (excess, o.id)
             if excess > ANSWER_SLACK_S:
                 chaos.answers_late += 1
-                why = "late"
+                why = "late, within the client's own ingest"
+                if excess - chaos.allowance_s(o) > ANSWER_SLACK_S:
+                    chaos.answers_late_beyond_ingest += 1
+                    why = "late"
                 if o.result == "error" and TRITON_QUEUE_TIMEOUT in o.message:
                     chaos.answers_late_by_triton_queue += 1
                     why = "late, by Triton's queue"

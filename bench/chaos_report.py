@@ -11,7 +11,14 @@ from dataclasses import asdict
 from pathlib import Path
 
 from bench import memory
-from bench.chaos_accounting import ANSWER_SLACK_S, KINDS, TRITON_QUEUE_TIMEOUT, Chaos, Outcome
+from bench.chaos_accounting import (
+    ANSWER_SLACK_S,
+    KINDS,
+    LATE_SHARE,
+    TRITON_QUEUE_TIMEOUT,
+    Chaos,
+    Outcome,
+)
 
 SHOWN = 50                    # requests of each reason listed in chaos.md (and kept in chaos.json)
 
@@ -70,8 +77,14 @@ def report(chaos: Chaos, out: Path, command: str, raw: Path | None = None,
               f"- innocent requests failed: **{chaos.innocent_failed}** elsewhere, "
               f"{chaos.innocent_failed_at_kills} in flight at a kill",
               f"- bad inputs answered with a success: **{chaos.bad_accepted}**",
-              f"- answers later than deadline + {ANSWER_SLACK_S} s: **{chaos.answers_late}**, "
-              f"{chaos.answers_late_by_triton_queue} of them by Triton's queue "
+              f"- answers later than deadline + {ANSWER_SLACK_S} s beyond the client's own "
+              f"ingest: **{chaos.answers_late_beyond_ingest}** of {chaos.answered} "
+              f"({100 * chaos.answers_late_beyond_ingest / max(chaos.answered, 1):.2f} %; "
+              f"bound {100 * LATE_SHARE:g} %); the ingest's p99: " + ", ".join(
+                  f"{k} {v['p99']:.0f} ms" for k, v in chaos.ingest_ms.items()),
+              f"- answers later than deadline + {ANSWER_SLACK_S} s, unadjusted: "
+              f"**{chaos.answers_late}**, {chaos.answers_late_by_triton_queue} of them by "
+              f"Triton's queue "
               f"(\"{TRITON_QUEUE_TIMEOUT}\"), {chaos.answers_late_at_kills} in flight during a "
               f"reload; worst excess over the deadline {chaos.worst_excess_s:+.3f} s "
               f"(`{chaos.worst_excess_id}`)",

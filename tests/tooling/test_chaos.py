@@ -108,3 +108,23 @@ def test_late_answers_of_tritons_queue_are_told_apart_and_every_outcome_is_kept(
     assert "| late, by Triton's queue | `pipeline` | StatusCode.UNAVAILABLE | 1 |" in text
     lines = (tmp_path / "raw" / "chaos-requests.jsonl").read_text().splitlines()
     assert [json.loads(line)["id"] for line in lines] == [o.id for o in outcomes]
+
+
+def test_lateness_counts_beyond_the_clients_own_ingest_and_the_verdict_allows_half_a_percent():
+    """An answer 0.9 s past its deadline, when the clients wait 0.6 s (p99) for a model that
+    answers at once, is late only by 0.3 s: within the slack. One 1.6 s past is late beyond it;
+    one such answer in 400 is within the verdict's 0.5 %, two are not."""
+    sup = supervisor([])
+    on_time = [outcome(i, "pipeline", float(i), float(i) + 0.1, "ok") for i in range(398)]
+    within = outcome(900, "pipeline", 500.0, 500.0 + 10.9, "ok")
+    beyond = outcome(901, "pipeline", 600.0, 600.0 + 11.6, "ok")
+    result = Chaos(60, 8, 1, 10.0, sent=400,
+                   ingest_ms={"grpc pipeline": {"p50": 200.0, "p99": 600.0, "max": 700.0}})
+    chaos.account(result, [*on_time, within, beyond], [], sup, started=0.0)
+    assert result.answers_late == 2 and result.answers_late_beyond_ingest == 1
+    assert result.clean
+    worse = Chaos(60, 8, 1, 10.0, sent=400, ingest_ms=result.ingest_ms)
+    again = outcome(902, "pipeline", 700.0, 700.0 + 11.6, "ok")
+    chaos.account(worse, [*on_time[:-1], beyond, again], [], sup, started=0.0)
+    assert worse.answers_late_beyond_ingest == 2 and not worse.clean
+    assert {n["why"] for n in result.notable} == {"late", "late, within the client's own ingest"}
