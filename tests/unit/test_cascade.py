@@ -1,5 +1,5 @@
 """``digits_cascade`` without Triton: its run function driven by the runtime's driver
-(``bls_models.flow``) over stand-in sub-models, its threshold parameter, and the digits models'
+(``bls_models.drive``) over stand-in sub-models, its threshold parameter, and the digits models'
 deterministic export."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import hashlib
 import numpy as np
 import pytest
 
-from bls_models import flow
+from bls_models import drive
 from bls_models import spec as S
 from bls_models.cascade import digits_cascade
 from bls_models.definition import Setup
@@ -18,7 +18,7 @@ from bls_models.pipelines import contract_problems
 
 
 class StandIns:
-    """``small`` and ``large`` as a ``flow.run`` sender, recording each sub-request's rows.
+    """``small`` and ``large`` as a ``drive.run`` sender, recording each sub-request's rows.
 
     A row's pixel 0 is the top probability ``small`` gives it and pixel 1 the digit it picks;
     ``large`` picks the next digit with probability 0.97, so every answer says who decided it.
@@ -52,7 +52,7 @@ def digits_with(top_probs) -> np.ndarray:
 
 def run(pixels: np.ndarray, threshold: float, stand_ins: StandIns) -> dict[str, np.ndarray]:
     setup = Setup(options={"threshold": threshold})
-    return flow.run(digits_cascade({S.DIGIT_PIXELS.name: pixels}, flow.SubRequest, setup),
+    return drive.run(digits_cascade({S.DIGIT_PIXELS.name: pixels}, drive.Call, setup),
                     stand_ins)
 
 
