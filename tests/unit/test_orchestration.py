@@ -1,5 +1,6 @@
 """The orchestration library without Triton: pipelines driven by the runtime's driver
-(``bls_models.flow``) over fake sub-models, errors, deadlines and parameters."""
+(``bls_models.drive``) over fake sub-models, errors, deadlines and parameters. How a deadline
+and a stage timeout bound a sub-request is tested through the runtime (tests/unit/test_runtime.py)."""
 
 from __future__ import annotations
 
@@ -9,9 +10,8 @@ import time
 import numpy as np
 import pytest
 
-from bls_models import flow, params, pipelines
+from bls_models import drive, params, pipelines
 from bls_models import spec as S
-from bls_models.deadline import Deadline
 from bls_models.definition import Setup, registered
 from bls_models.errors import (
     Code,
@@ -22,10 +22,11 @@ from bls_models.errors import (
     classify_sub_error,
     sub_request_failed,
 )
+from bls_models.group import Job
 
 
 class FakeSubModels:
-    """Answers each stage after a delay (a ``flow.run`` sender), recording when calls start and
+    """Answers each stage after a delay (a ``drive`` sender), recording when calls start and
     end."""
 
     def __init__(self, delays: dict[str, float], fail: dict[str, PipelineError] | None = None):
@@ -55,8 +56,13 @@ class FakeSubModels:
 
 
 def run(pipeline, inputs, fake, setup=Setup()):
-    """``pipeline`` over ``fake``, gathered branches on threads of their own."""
-    return flow.run(pipeline(inputs, flow.SubRequest, setup), fake, threads=4)
+    """``pipeline`` over ``fake``, gathered branches on a pool of 4 threads (as the runtime
+    drives it)."""
+    pool = drive.Pool(4, "test", lambda message, error=False: None)
+    try:
+        return drive.drive(pipeline(inputs, drive.Call, setup), fake, pool)
+    finally:
+        pool.shutdown(1.0)
 
 
 def image_inputs(batch=2):
@@ -173,7 +179,7 @@ def test_tag_pipeline_windows_a_document_and_stitches_each_token_from_its_best_w
     tagger = LocalTagger()
     setup = Setup(options={"window_overlap": overlap}, contracts={"tagger": S.TAGGER_TAGS},
                   max_rows={"tagger": 4})
-    out = flow.run(pipelines.tag_pipeline({"TOKENS": tokens}, flow.SubRequest, setup), tagger)
+    out = drive.run(pipelines.tag_pipeline({"TOKENS": tokens}, drive.Call, setup), tagger)
     tags, probs = windowed_reference(tokens, overlap)
     np.testing.assert_array_equal(out["TAGS"], tags)
     np.testing.assert_array_equal(out["TAG_PROBS"], probs)
@@ -189,7 +195,7 @@ def test_a_document_of_one_window_is_sent_as_it_is():
     def tagger(sub):
         sent.append(sub.inputs["TOKENS"])
         return LocalTagger()(sub)
-    out = flow.run(pipelines.tag_pipeline({"TOKENS": tokens}, flow.SubRequest, Setup()), tagger)
+    out = drive.run(pipelines.tag_pipeline({"TOKENS": tokens}, drive.Call, Setup()), tagger)
     assert len(sent) == 1 and np.shares_memory(sent[0], tokens)
     np.testing.assert_array_equal(sent[0], tokens)
     np.testing.assert_array_equal(out["TAGS"], LocalTagger.tag(tokens)[0])
@@ -271,35 +277,27 @@ def test_sub_model_errors_are_classified_by_message(message, kind, code):
 
 
 def test_deadline_from_client_timeout_or_default():
-    client = Deadline.for_request(timeout_us=250_000, default_ms=5000, now=100.0)
-    assert client.source == "client" and client.end == pytest.approx(100.25)
-    default = Deadline.for_request(timeout_us=0, default_ms=5000, now=100.0)
-    assert default.source == "default" and default.end == pytest.approx(105.0)
+    """A request's deadline counts from its arrival in execute: its client timeout, else the
+    default deadline."""
+    client = Job(None, "r", 100.0, timeout_us=250_000, default_ms=5000, max_ms=120_000)
+    assert client.limit == "client timeout" and client.end == pytest.approx(100.25)
+    assert client.budget_ms == pytest.approx(250)
+    default = Job(None, "r", 100.0, timeout_us=0, default_ms=5000, max_ms=120_000)
+    assert default.limit == "default deadline" and default.end == pytest.approx(105.0)
 
 
 def test_a_client_timeout_above_the_maximum_is_cut_to_it():
     """What lets the supervisor know when a replaced copy's stub can hold nothing any more."""
-    long = Deadline.for_request(timeout_us=300_000_000, default_ms=5000, now=100.0,
-                                max_ms=120_000)
-    assert long.source == "capped" and long.end == pytest.approx(220.0)
-    assert "max_deadline_ms" in long.label
-    within = Deadline.for_request(timeout_us=119_000_000, default_ms=5000, now=100.0,
-                                  max_ms=120_000)
-    assert within.source == "client" and within.end == pytest.approx(219.0)
+    long = Job(None, "r", 100.0, timeout_us=300_000_000, default_ms=5000, max_ms=120_000)
+    assert long.end == pytest.approx(220.0) and "max_deadline_ms" in long.limit
+    within = Job(None, "r", 100.0, timeout_us=119_000_000, default_ms=5000, max_ms=120_000)
+    assert within.limit == "client timeout" and within.end == pytest.approx(219.0)
 
 
 def test_a_default_deadline_above_the_maximum_fails_the_load():
     with pytest.raises(params.ConfigError, match="default_deadline_ms .* above max_deadline_ms"):
         S.PIPELINE_DEF.parse({"default_deadline_ms": "60000", "max_deadline_ms": "30000"})
     assert S.PIPELINE_DEF.parse({}).max_deadline_ms == int(params.MAX_DEADLINE.default)
-
-
-def test_stage_limit_is_the_remaining_budget_capped_by_the_stage_timeout():
-    deadline = Deadline.for_request(timeout_us=1_000_000, default_ms=0, now=0.0)
-    assert deadline.stage_limit(0, now=0.4)[:2] == (pytest.approx(0.6), "client timeout")
-    assert deadline.stage_limit(200, now=0.4)[:2] == (pytest.approx(0.2), "stage timeout")
-    assert deadline.stage_limit(900, now=0.4)[:2] == (pytest.approx(0.6), "client timeout")
-    assert deadline.stage_limit(0, now=1.2)[0] < 0
 
 
 def test_deadline_error_names_stage_model_and_is_unavailable():
@@ -318,7 +316,7 @@ def test_parameters_default_and_override():
     assert config.stage("classifier").timeout_ms == 150
     assert config.stage("preprocess") == params.Stage("preprocess", "preprocess", 0)
     assert config.default_deadline_ms == 2000
-    assert config.options == {} and config.return_within_ms == 1000
+    assert config.options == {}
 
 
 def test_bad_parameters_are_all_reported():
@@ -332,6 +330,16 @@ def test_bad_parameters_are_all_reported():
         assert fragment in message
 
 
+@pytest.mark.parametrize("key", ["max_inflight_requests", "max_queued_requests",
+                                 "return_within_ms"])
+def test_a_parameter_of_the_replaced_runtime_is_a_load_error(key):
+    """Admission slots, their queue and the bounded wait for answers are gone (every request is
+    answered within ``execute``): a config still setting them fails to load, naming the key,
+    rather than silently doing nothing."""
+    with pytest.raises(params.ConfigError, match=f"unknown parameter '{key}'"):
+        IMAGE.parse({key: "1"})
+
+
 @pytest.mark.parametrize("key", ["gpu_tensors", "classifier_model"])
 def test_a_parameter_the_pipeline_does_not_use_is_a_load_error(key):
     """tag_pipeline has one stage and no pass-through outputs: these would do nothing there."""
@@ -342,8 +350,7 @@ def test_a_parameter_the_pipeline_does_not_use_is_a_load_error(key):
 
 def test_each_pipeline_has_its_own_defaults_and_the_common_ones():
     image, tags = IMAGE.parse({}), S.TAG_PIPELINE_DEF.parse({})
-    assert (image.max_inflight_requests, image.subrequest_threads) == (512, 64)
-    assert (tags.max_inflight_requests, tags.subrequest_threads) == (256, 8)
+    assert (image.subrequest_threads, tags.subrequest_threads) == (16, 8)
     assert image.default_deadline_ms == tags.default_deadline_ms == 10_000
     assert tags.stage("tagger").model == "tagger_tags"
 
