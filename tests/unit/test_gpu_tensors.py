@@ -46,6 +46,7 @@ class FakePb:
     def __init__(self, outputs):
         self.outputs = outputs
         self.inputs = []
+        self.timeouts = []
         fake = self
 
         class Tensor(FakeTensor):
@@ -58,8 +59,9 @@ class FakePb:
                 return FakeTensor(name, source.array, source.on_gpu)
 
         class InferenceRequest:
-            def __init__(self, inputs, **_):
+            def __init__(self, inputs, timeout=0, **_):
                 fake.inputs.append(inputs)
+                fake.timeouts.append(timeout)
 
             def exec(self):
                 return FakeResponse()
@@ -74,9 +76,9 @@ class FakePb:
         return self.outputs.get(name)
 
 
-def infer(pb, names, keep, inputs=None):
-    return Backend(pb, "pipeline").infer("preprocess", inputs or {}, names, "r", 1000,
-                                         frozenset(keep))
+def infer(pb, names, keep, inputs=None, backend=None):
+    return (backend or Backend(pb, "pipeline")).infer("preprocess", inputs or {}, names, "r",
+                                                      lambda: 1000, frozenset(keep))
 
 
 def test_a_kept_output_in_gpu_memory_stays_there_and_feeds_the_next_stage_by_dlpack():
@@ -89,8 +91,9 @@ def test_a_kept_output_in_gpu_memory_stays_there_and_feeds_the_next_stage_by_dlp
         infer(pb, [], set(), inputs={"PIXELS": outputs["PIXELS"]})
         (fed,) = pb.inputs[-1]
         assert fed.on_gpu and fed.array is pixels.array
-    Backend(pb, "pipeline").release_devices([outputs["PIXELS"]])
-    assert outputs["PIXELS"].tensor is None
+    held = [outputs["PIXELS"]]
+    Backend(pb, "pipeline").release(held)
+    assert held == []
 
 
 def test_a_kept_output_in_cpu_memory_falls_back_to_numpy():
@@ -166,15 +169,14 @@ def test_kept_outputs_stay_on_the_gpu_that_produced_them_not_on_gpu_0(made, repo
     names no device for PIXELS, so Triton leaves it in that instance's own GPU memory; naming
     GPU 0 (as before) put every image's PIXELS on GPU 0, with a device-to-device copy from the
     others. The orchestrator's own device id cannot help: KIND_CPU instances all report 0."""
-    from tests.helpers import image_inputs, sub_models, wait_answered
+    from tests.helpers import image_inputs, sub_models
     from tests.unit.fake_pb_utils import FakePbUtils, Request
 
     pb = FakePbUtils(sub_models())
     made.append(orchestrator := gpu_orchestrator(pb, repository, tmp_path, device_id))
-    assert orchestrator.pass_through == {"preprocess": ("PIXELS",)}
+    assert orchestrator.keep == {"preprocess": frozenset({"PIXELS"})}
     request = Request(image_inputs(2), request_id="r")
     pb.execute(orchestrator, [request])
-    wait_answered([request])
     (response,) = request.answers
     assert not response.has_error(), response.error().message()
     memory = dict(pb.output_memory)
@@ -184,14 +186,53 @@ def test_kept_outputs_stay_on_the_gpu_that_produced_them_not_on_gpu_0(made, repo
 
 
 def test_without_gpu_tensors_every_output_is_asked_for_in_cpu_memory(made, repository, tmp_path):
-    from tests.helpers import image_inputs, sub_models, wait_answered
+    from tests.helpers import image_inputs, sub_models
     from tests.unit.fake_pb_utils import FakePbUtils, Request
 
     pb = FakePbUtils(sub_models())
     made.append(orchestrator := gpu_orchestrator(pb, repository, tmp_path, "0", gpu_tensors="off"))
     request = Request(image_inputs(), request_id="r")
     pb.execute(orchestrator, [request])
-    wait_answered([request])
     cpu = pb.PreferredMemory(pb.TRITONSERVER_MEMORY_CPU, 0)
     assert {model: memory for model, memory in pb.output_memory} == {
         "preprocess": cpu, "classifier": cpu, "embedder": cpu}
+
+
+def test_the_gate_gives_the_sub_requests_timeout_under_the_lock_or_stops_it():
+    """``gate`` is asked, under the backend's lock, just before the request is made: its answer
+    is the sub-request's timeout (µs); what it raises sends nothing and reaches the caller."""
+    pb = FakePb({"PIXELS": FakeTensor("PIXELS", np.ones((1, 3)), on_gpu=False)})
+    backend = Backend(pb, "pipeline")
+    held = []
+
+    def gate():
+        held.append(backend.lock._is_owned())
+        return 1234
+
+    outputs, error = backend.infer("preprocess", {}, ["PIXELS"], "r", gate)
+    assert error is None and held == [True] and pb.timeouts == [1234]
+
+    def closed():
+        raise LookupError("no member wants it")
+
+    with pytest.raises(LookupError):
+        backend.infer("preprocess", {}, ["PIXELS"], "r", closed)
+    assert len(pb.inputs) == 1, "a sub-request was made past a gate that refused it"
+
+
+def test_what_a_late_thread_holds_after_finalize_is_kept_not_destroyed(monkeypatch):
+    """A group's kept GPU outputs are let go under the lock; once the model is finalized
+    nothing is destroyed (a destructor is a pb_utils call): they are kept to the process's
+    exit."""
+    from bls_models import backend as backend_module
+
+    monkeypatch.setattr(backend_module, "_LEFT_AT_SHUTDOWN", [])
+    pb = FakePb({})
+    backend = Backend(pb, "pipeline")
+    backend.finalize()
+    kept = DeviceTensor(FakeTensor("PIXELS", np.ones((1, 3)), on_gpu=True))
+    held = [kept]
+    backend.release(held)
+    assert held == []
+    assert any(kept in group for group in backend_module._LEFT_AT_SHUTDOWN
+               if isinstance(group, list))

@@ -10,7 +10,7 @@ import numpy as np
 
 from bls_models import spec as S
 from bls_models.backend import owns_memory
-from tests.helpers import image_inputs, orchestrator, sub_models, wait_answered
+from tests.helpers import image_inputs, orchestrator, sub_models
 from tests.unit.fake_pb_utils import FakePbUtils, Request
 
 
@@ -57,8 +57,7 @@ def _answered_embedding(made, models, request_id: str) -> np.ndarray:
     pb = FakePbUtils(models)
     made.append(orch := orchestrator(pb))
     request = Request(image_inputs(1), request_id=request_id)
-    pb.execute(orch, [request])
-    wait_answered([request])
+    pb.execute(orch, [request])  # answered before it returns
     (response,) = request.answers
     return next(t for t in response.output_tensors if t.name() == S.EMBEDDING.name).as_numpy()
 
