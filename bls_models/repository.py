@@ -1,4 +1,5 @@
-"""Load-time checks of an orchestrator's stage models against the model repository.
+"""What an orchestrator learns when it loads: its parameters, and its stage models checked
+against the model repository (``plan``).
 
 BLS is not allowed in ``initialize`` and Triton loads models in no particular order, so the
 orchestrator cannot ask the server about its sub-models when it loads. It reads their
@@ -8,10 +9,68 @@ tensor the stage exchanges, fails the orchestrator's load with a message that na
 
 from __future__ import annotations
 
+import json
+from dataclasses import dataclass
 from pathlib import Path
 
+from bls_models import params
 from bls_models import spec as S
+from bls_models.definition import PipelineDef, Setup
 from bls_models.params import Stage
+
+
+@dataclass(frozen=True)
+class Plan:
+    """An orchestrator as loaded: its parsed parameters, its run function and check, per stage
+    the contract its model meets and the most rows it takes, and what its own config says."""
+
+    config: params.OrchestratorConfig
+    contracts: dict
+    run: object
+    check: object
+    setup: Setup
+    batching: frozenset      # stages whose model batches (``max_batch_size`` > 0)
+    input_names: list
+    output_types: dict       # output name -> Triton dtype ("TYPE_FP32")
+    first_stage: str
+    group_rows: int          # the most rows run as one group
+    keep: dict               # stage -> outputs kept on the GPU (gpu_tensors)
+
+
+def plan(args: dict, definition: PipelineDef) -> Plan:
+    """``initialize``'s ``args`` and ``definition`` as a ``Plan``; raises ``params.ConfigError``
+    naming every problem."""
+    model = args["model_name"]
+    config = json.loads(args["model_config"])
+    if (config.get("model_transaction_policy") or {}).get("decoupled"):
+        raise params.ConfigError(f"orchestrator '{model}' answers one response per request: "
+                                 "remove model_transaction_policy { decoupled }")
+    parsed = definition.parse(params.string_parameters(config))
+    # This model's own repository first (the parent of its directory), then any others.
+    repositories = [Path(args["model_repository"]).parent,
+                    *(Path(p) for p in parsed.stage_model_repositories)]
+    # Which contract each stage model meets decides, e.g., whether the tagger reduces.
+    contracts, problems = resolve_stages(repositories, parsed.stages, definition.contracts)
+    if problems:
+        raise params.ConfigError("; ".join(problems))
+    rows = stage_max_batch(repositories, parsed.stages)  # 0: the stage does not batch
+    # gpu_tensors: a stage's pass-through outputs stay on the GPU only if its model is
+    # configured KIND_GPU. Asking a CPU instance for GPU output memory fails the sub-request
+    # ("BackendMemory::Create, all allocation types failed"), so other stages keep the copy.
+    kinds = stage_kinds(repositories, parsed.stages)
+    return Plan(
+        config=parsed, contracts=contracts, run=definition.run_function(),
+        check=definition.check_function(),
+        setup=Setup(options=parsed.options, contracts=contracts,
+                    max_rows={stage: max(n, 1) for stage, n in rows.items()}),
+        batching=frozenset(stage for stage, n in rows.items() if n > 0),
+        input_names=[t["name"] for t in config["input"]],
+        output_types={t["name"]: t["data_type"] for t in config["output"]},
+        first_stage=definition.stages[0].name,
+        group_rows=min([max(1, int(config.get("max_batch_size", 0)))]
+                       + [n for n in rows.values() if n > 0]),
+        keep={stage: frozenset(names) for stage, names in definition.pass_through.items()
+              if parsed.gpu_tensors and kinds.get(stage) == {"KIND_GPU"}})
 
 
 def onnx_path(repository: Path, model: S.ModelSpec, version: int = 1) -> Path:

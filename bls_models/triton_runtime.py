@@ -23,19 +23,17 @@ docs/orchestrator.md follows one request through it.
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 import traceback
 from dataclasses import replace
-from pathlib import Path
 
 import numpy as np
 
-from bls_models import params, repository
+from bls_models import repository
 from bls_models import spec as S
 from bls_models.backend import Backend, DeviceTensor, Finalized
-from bls_models.definition import PipelineDef, Setup, registered
+from bls_models.definition import PipelineDef, registered
 from bls_models.drive import Abandoned, Call, Pool, drive
 from bls_models.errors import (
     Cancelled,
@@ -65,41 +63,14 @@ def shutting_down(model: str) -> PipelineError:
 class Orchestrator:
     def __init__(self, pb_utils, args: dict, pipeline: PipelineDef | str) -> None:
         self.model = args["model_name"]
-        config = json.loads(args["model_config"])
         self.backend = Backend(pb_utils, self.model)
         self.definition = pipeline if isinstance(pipeline, PipelineDef) else registered(pipeline)
-        if (config.get("model_transaction_policy") or {}).get("decoupled"):
-            raise params.ConfigError(f"orchestrator '{self.model}' answers one response per "
-                                     "request: remove model_transaction_policy { decoupled }")
-        self.config = self.definition.parse(params.string_parameters(config))
-        # This model's own repository first (the parent of its directory), then any others.
-        repositories = [Path(args["model_repository"]).parent,
-                        *(Path(p) for p in self.config.stage_model_repositories)]
-        # Which contract each stage model meets decides, e.g., whether the tagger reduces.
-        contracts, problems = repository.resolve_stages(repositories, self.config.stages,
-                                                        self.definition.contracts)
-        if problems:
-            raise params.ConfigError("; ".join(problems))
-        self.run = self.definition.run_function()
-        self.check = self.definition.check_function()
-        # The most rows one sub-request to each stage may hold (0: the stage does not batch).
-        stage_rows = repository.stage_max_batch(repositories, self.config.stages)
-        self.setup = Setup(options=self.config.options, contracts=contracts,
-                           max_rows={stage: max(rows, 1) for stage, rows in stage_rows.items()})
-        self.batching = frozenset(stage for stage, rows in stage_rows.items() if rows > 0)
-        self.input_names = [t["name"] for t in config["input"]]
-        self.output_dtypes = {t["name"]: _NUMPY[t["data_type"]] for t in config["output"]}
-        self.first_stage = self.definition.stages[0].name
-        # The most rows run as one group: this model's batch, and what every stage takes.
-        self.group_rows = min([max(1, int(config.get("max_batch_size", 0)))]
-                              + [rows for rows in stage_rows.values() if rows > 0])
-        # gpu_tensors: a stage's pass-through outputs stay on the GPU only if its model is
-        # configured KIND_GPU. Asking a CPU instance for GPU output memory fails the sub-request
-        # ("BackendMemory::Create, all allocation types failed"), so other stages keep the copy.
-        kinds = repository.stage_kinds(repositories, self.config.stages)
-        self.keep = {stage: frozenset(names)
-                     for stage, names in self.definition.pass_through.items()
-                     if self.config.gpu_tensors and kinds.get(stage) == {"KIND_GPU"}}
+        plan = repository.plan(args, self.definition)
+        self.config, self.run, self.check, self.setup = plan.config, plan.run, plan.check, \
+            plan.setup
+        self.batching, self.input_names, self.keep = plan.batching, plan.input_names, plan.keep
+        self.first_stage, self.group_rows = plan.first_stage, plan.group_rows
+        self.output_dtypes = {name: _NUMPY[kind] for name, kind in plan.output_types.items()}
         self.log = self.backend.log
         self.metrics = Metrics(self.backend, self.model, stages=list(self.config.stages))
         key = self.metrics.key
@@ -114,7 +85,7 @@ class Orchestrator:
         self.metrics.watch("bls_inflight_subrequests", self.out.__len__)
         self.stopping = False
         self.log(f"orchestrating '{self.definition.name}': " + ", ".join(
-            f"{s.name} -> {s.model} (as {contracts[s.name].name})"
+            f"{s.name} -> {s.model} (as {plan.contracts[s.name].name})"
             + (f" (timeout {s.timeout_ms} ms)" if s.timeout_ms else "")
             for s in self.config.stages.values())
             + f"; default deadline {self.config.default_deadline_ms} ms, groups of up to "
