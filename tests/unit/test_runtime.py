@@ -86,6 +86,25 @@ def test_an_answer_ready_early_leaves_by_its_deadline_not_with_the_batch(made):
     assert slow.returned is not None and not slow.answer.has_error()
 
 
+def test_an_answer_finishing_at_its_deadline_is_given_once_returned_or_sent(made):
+    """Groups finishing around their deadline (30 ms; a preprocess of 10 to 50 ms): the clock
+    sends the deadline's answer, or ``execute`` returns the result, never both, never neither
+    (the fake counts each request's answers), and both happen."""
+    pb = rows_models()
+    made.append(orch := orchestrator(pb))
+    requests = []
+    for trial in range(40):
+        request = Request(image_of(20 + trial), timeout_us=30_000,
+                          request_id=f"t{trial};preprocess={10 + (trial * 17) % 41}")
+        pb.execute(orch, [request])
+        requests.append(request)
+    codes = [code_of(request.answer) for request in requests]
+    assert set(codes) <= {"SUCCESS", "UNAVAILABLE"}, codes
+    sent = [request for request in requests if request.sender.sent]
+    assert all(code_of(request.answer) == "UNAVAILABLE" for request in sent)
+    assert 0 < len(sent) < len(requests), f"{len(sent)} of {len(requests)} sent: one path only"
+
+
 def test_a_cancelled_request_stops_before_its_next_stage_and_is_counted_once(made):
     pb = FakePbUtils(sub_models())
     made.append(orch := orchestrator(pb))
@@ -144,6 +163,61 @@ def test_a_sub_requests_timeout_is_the_time_left_when_it_is_sent(made):
     (sent,) = [s for s in pb.sent if s.model == "classifier"]
     assert sent.started - arrived > 0.25
     assert sent.timeout_us / 1e6 <= arrived + 2.0 - sent.started + 0.02
+
+
+def test_a_stage_timeout_longer_than_the_time_left_does_not_extend_it(made):
+    pb = FakePbUtils(sub_models())
+    made.append(orch := orchestrator(pb, classifier_timeout_ms="900"))
+    request = Request(image_inputs(), request_id="preprocess=0.4", timeout_us=1_000_000)
+    arrived = time.monotonic()
+    pb.execute(orch, [request])
+    assert not request.answer.has_error()
+    (sent,) = [s for s in pb.sent if s.model == "classifier"]
+    assert sent.timeout_us / 1e6 <= arrived + 1.0 - sent.started + 0.02 < 0.65
+
+
+def runs_counted(orch) -> list[int]:
+    """The rows of each run of ``orch``'s run function, from now on."""
+    runs, pipeline = [], orch.run
+
+    async def counted(inputs, call, setup):
+        runs.append(len(inputs["IMAGE"]))
+        return await pipeline(inputs, call, setup)
+
+    orch.run = counted
+    return runs
+
+
+def test_a_member_whose_deadline_passes_first_is_answered_then_while_its_group_goes_on(made):
+    """A client timeout of its own does not split the batch: one run for the three, whose
+    sub-requests live as long as the latest member needs; the hasty member is sent its deadline
+    error at its deadline, and the others get their own rows when the group ends."""
+    pb = rows_models()
+    made.append(orch := orchestrator(pb))
+    runs = runs_counted(orch)
+    hasty = Request(image_of(20), request_id="hasty;classifier=300", timeout_us=150_000)
+    patient = [Request(image_of(v), request_id=f"p{v}", timeout_us=3_000_000) for v in (21, 22)]
+    started = time.monotonic()
+    pb.execute(orch, [hasty, *patient])
+    assert runs == [3]
+    assert code_of(hasty.answer) == "UNAVAILABLE" and hasty.sender.sent
+    assert hasty.sender.answered_at - started < 0.15 + SLACK
+    assert [code_of(r.answer) for r in patient] == ["SUCCESS", "SUCCESS"]
+    assert all(r.returned is not None for r in patient)
+    (classifier,) = [s for s in pb.sent if s.model == "classifier"]
+    assert classifier.timeout_us > 2_000_000, "the group's sub-request had the hasty one's time"
+
+
+def test_a_member_cancelled_in_flight_is_answered_before_its_group_finishes(made):
+    pb = rows_models()
+    made.append(orch := orchestrator(pb))
+    requests = [Request(image_of(v), request_id=f"q{v};preprocess=300") for v in (20, 21, 22)]
+    threading.Timer(0.05, requests[1].sender.cancelled.set).start()
+    pb.execute(orch, requests)
+    finished = time.monotonic()
+    assert [code_of(r.answer) for r in requests] == ["SUCCESS", "CANCELLED", "SUCCESS"]
+    assert requests[1].sender.answered_at < finished - 0.1, "answered with the group"
+    assert requests[0].returned is not None and requests[2].returned is not None
 
 
 def test_requests_asking_for_different_outputs_share_a_group_each_stage_only_its_rows(made):
