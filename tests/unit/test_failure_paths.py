@@ -1,39 +1,40 @@
 """The runtime's failure paths over the r24.10-like fake ``pb_utils`` (tests/unit/fake_pb_utils.py),
-each named after what it holds to. The rule: every request that reaches ``execute`` gets exactly
-one final response, whatever raises, within its deadline plus ``SLACK``, and nothing grows with
-traffic."""
+each named after what it holds to: a bug of the orchestrator's own is INTERNAL for the requests
+it touches and is never re-sent, a failed publication loses no count, shutdown cleans up
+whatever failed, and nothing grows with traffic. After each test the fake checks the runtime's
+invariants: every request answered exactly once, before ``execute`` returned, on time
+(tests/unit/conftest.py). The normal path, deadlines and cancellation are in test_runtime.py,
+isolation in test_isolation.py."""
 
 from __future__ import annotations
 
 import functools
 import threading
 import time
-from collections import deque
 
 import numpy as np
 import pytest
 
 from bls_models import spec as S
-from bls_models.metrics import FLUSH_SECONDS, HISTOGRAM_FLUSH_SECONDS, Metrics
+from bls_models import triton_runtime
+from bls_models.drive import Pool
+from bls_models.metrics import FLUSH_SECONDS, Metrics
 from tests.helpers import (
     SLACK,
-    executing,
     image_inputs,
     orchestrator,
     settled_metric,
     shorten_shutdown,
     sub_models,
-    wait_answered,
 )
 from tests.unit.fake_pb_utils import FakePbUtils, Request
-from tests.unit.row_models import DirectedRowModels, exact, image_of
+from tests.unit.row_models import POISON, DirectedRowModels, code_of, expect_exact, image_of
 
 
-def execute_in_thread(pb, orch, requests) -> threading.Thread:
-    """``execute`` from another thread (the stub's main thread may be held by backpressure)."""
-    thread = threading.Thread(target=pb.execute, args=(orch, requests), daemon=True)
-    thread.start()
-    return thread
+def rows_models() -> FakePbUtils:
+    pb = FakePbUtils(DirectedRowModels().models())
+    expect_exact(pb)
+    return pb
 
 
 async def image_run(inputs, call, setup, reduce=None):
@@ -47,20 +48,21 @@ async def image_run(inputs, call, setup, reduce=None):
             "EMBEDDING": embedding, **logits}
 
 
+# -- a bug of the orchestrator's own ------------------------------------------------------------
 @pytest.mark.parametrize("logger_fails", [False, True])
-def test_a_response_that_cannot_be_built_is_answered_internal_and_frees_its_slot(
+def test_an_output_the_run_function_leaves_out_is_internal_for_that_request_alone(
         made, logger_fails):
     """The run function leaves a declared output out for one kind of input (a data-dependent
-    bug): that request is answered INTERNAL at once, with no exception text; the log has the
-    details. Even with the logger failing, the slot comes back (one slot: the next request
-    runs)."""
-    pb = FakePbUtils(sub_models())
-    made.append(orch := orchestrator(pb, max_inflight_requests="1", max_queued_requests="0"))
+    bug): that request is answered INTERNAL with no exception text, the log has the details,
+    and the request it was grouped with gets its own rows. Even with the logger failing, every
+    request is answered and the next batch runs."""
+    pb = rows_models()
+    made.append(orch := orchestrator(pb))
     pipeline = orch.run
 
     async def leaves_embedding_out(inputs, call, setup):
         outputs = await pipeline(inputs, call, setup)
-        if (inputs["IMAGE"] == 7).all():
+        if (inputs["IMAGE"] == 7).reshape(len(inputs["IMAGE"]), -1).all(axis=1).any():
             del outputs["EMBEDDING"]
         return outputs
 
@@ -68,133 +70,42 @@ def test_a_response_that_cannot_be_built_is_answered_internal_and_frees_its_slot
     if logger_fails:
         pb.faults.plan("Logger", "always")
     bad, good = Request(image_of(7), request_id="bad"), Request(image_of(8), request_id="good")
-    started = time.monotonic()
-    pb.execute(orch, [bad])
-    pb.execute(orch, [good])
-    wait_answered([bad, good], timeout=5)
-    assert time.monotonic() - started < 1.0
+    pb.execute(orch, [bad, good])
     error = bad.answer.error()
     assert error.code() == pb.TritonError.INTERNAL
-    assert "KeyError" not in error.message() and "EMBEDDING" not in error.message()
+    assert "ValueError" not in error.message() and "EMBEDDING" not in error.message()
     assert not good.answer.has_error()
+    after = Request(image_of(9), request_id="after")
+    pb.execute(orch, [after])
+    assert not after.answer.has_error()
     assert settled_metric(pb, "bls_requests_total", code="INTERNAL") == 1
     if not logger_fails:
         assert any("no output 'EMBEDDING'" in line for line in pb.log)
 
 
-@pytest.mark.parametrize("queued", ["0", "512"])
-def test_a_request_waiting_for_a_slot_is_answered_when_its_deadline_passes(made, queued):
-    """One slot, held 1 s by the first request. The second (200 ms deadline) waits for it —
-    in execute (no queue in the orchestrator) or in the orchestrator's queue — and is answered
-    at its deadline (UNAVAILABLE, saying why), not once the slot frees."""
-    pb = FakePbUtils(sub_models())
-    made.append(orch := orchestrator(pb, max_inflight_requests="1", max_queued_requests=queued,
-                                     return_within_ms="20"))
-    blocker = Request(image_inputs(), request_id="classifier=1.0")
-    late = Request(image_inputs(), request_id="late", timeout_us=200_000)
-    pb.execute(orch, [blocker])
-    sent = time.monotonic()
-    execute_in_thread(pb, orch, [late])
-    wait_answered([late], timeout=5)
-    assert late.sender.answered_at - sent < 0.2 + SLACK
-    error = late.answer.error()
-    assert error.code() == pb.TritonError.UNAVAILABLE
-    assert "waiting for one of its 1 slots" in error.message()
-    wait_answered([blocker])
-    assert not blocker.answer.has_error()
-    assert settled_metric(pb, "bls_deadline_exceeded_total", stage="admission") == 1
-
-
-@pytest.mark.parametrize("queued", ["0", "512"])
-def test_the_deadline_and_the_latency_count_the_wait_for_a_slot(made, queued):
-    """Requests of one batch that wait behind each other for the one slot: their deadline and
-    their recorded latency start when execute got them, not when they got a slot."""
-    pb = FakePbUtils(sub_models())
-    made.append(orch := orchestrator(pb, max_inflight_requests="1", max_queued_requests=queued))
-    slow = Request(image_inputs(), request_id="classifier=0.5")
-    follower = Request(image_inputs(), request_id="follower", timeout_us=700_000)
-    sent = time.monotonic()
-    execute_in_thread(pb, orch, [slow, follower])
-    wait_answered([slow, follower])
-    # It got the slot at ~0.5 s with 0.2 s left: fine, it runs in a few ms.
-    assert not follower.answer.has_error()
-    assert follower.sender.answered_at - sent < 0.7
-    time.sleep(HISTOGRAM_FLUSH_SECONDS + 2 * FLUSH_SECONDS)
-    total = pb.metric("bls_request_latency_seconds_sum")
-    assert pb.metric("bls_request_latency_seconds_count") == 2
-    assert total >= 0.5 + 0.5 - 0.05, "the wait for the slot was not counted"
-
-
-def test_a_request_whose_sender_cannot_be_had_is_answered_through_executes_list(made):
-    """``get_response_sender`` raises as execute stops waiting for a slow request: it is
-    answered INTERNAL through execute's return value at once, the others as usual."""
-    pb = FakePbUtils(sub_models())
-    made.append(orch := orchestrator(pb, return_within_ms="20"))
-    requests = [Request(image_inputs(), request_id=f"r{i};classifier=0.2", outputs=[["EMBEDDING"],
-                                                                             ["CLASS_IDS"]][i % 2])
-                for i in range(3)]
-    pb.faults.plan("get_response_sender", "once", after=1)
-    pb.execute(orch, requests)
-    wait_answered(requests)
-    time.sleep(0.1)
-    assert pb.violations == []
-    assert requests[1].answer.error().code() == pb.TritonError.INTERNAL
-    assert requests[1].returned is not None and requests[1].sender.attempts == 0
-    for request in (requests[0], requests[2]):
-        assert not request.answer.has_error()
-
-
-def test_a_send_that_raises_is_counted_and_execute_goes_on(made):
-    pb = FakePbUtils(sub_models())
-    made.append(orch := orchestrator(pb, return_within_ms="0"))
-    requests = [Request(image_inputs(), request_id=f"r{i}") for i in range(3)]
-    pb.faults.plan("send", "once")
-    pb.execute(orch, requests)
-    wait_answered(requests)
-    lost = [r for r in requests if not r.answers]
-    assert len(lost) == 1 and lost[0].sender.attempts == 1
-    assert settled_metric(pb, "bls_requests_total", code="SEND_FAILED") == 1
-    assert all(not r.answer.has_error() for r in requests if r not in lost)
-
-
 def test_an_exception_building_a_groups_sub_request_answers_its_members_at_once(made):
     """Building a group's sub-request raises: every member is answered INTERNAL naming the stage
-    at once, not after its deadline, and never re-run (the orchestrator's own failure)."""
-    pb = FakePbUtils(DirectedRowModels().models())
+    at once, not at its deadline, and never re-run (the orchestrator's own failure)."""
+    pb = rows_models()
     made.append(orch := orchestrator(pb, default_deadline_ms="3000"))
     group = [Request(image_of(v), request_id=f"g{v}") for v in (2, 3, 4)]
     pb.faults.plan("InferenceRequest", "once", after=1)
     started = time.monotonic()
     pb.execute(orch, group)
-    wait_answered(group, timeout=5)
-    assert max(r.sender.answered_at for r in group) - started < 1.0
+    assert all(r.returned is not None for r in group)
+    assert time.monotonic() - started < 1.0
     for request in group:
         assert request.answer.error().code() == pb.TritonError.INTERNAL
         assert "in stage '" in request.answer.error().message()
     assert pb.faults.raised["InferenceRequest"] == 1
     assert len(pb.calls) <= 3
-
-
-def test_a_sub_requests_timeout_is_the_budget_left_when_it_is_sent(made):
-    """One worker thread, held 0.5 s by the first request: the second's group waits for it,
-    and its preprocess's Triton timeout is what is left of its 2 s then, not 2 s."""
-    pb = FakePbUtils(sub_models())
-    made.append(orch := orchestrator(pb, subrequest_threads="1", return_within_ms="20"))
-    first = Request(image_inputs(), request_id="first;preprocess=0.5")
-    second = Request(image_inputs(), request_id="second", timeout_us=2_000_000)
-    arrived = time.monotonic()
-    pb.execute(orch, [first])
-    pb.execute(orch, [second])
-    wait_answered([first, second])
-    (sent,) = [s for s in pb.sent if s.model == "preprocess" and s.request_id == "second"]
-    left = arrived + 2.0 - sent.started
-    assert sent.started - arrived > 0.4
-    assert sent.timeout_us / 1e6 <= left + 0.05, (sent.timeout_us, left)
+    assert settled_metric(pb, "bls_isolated_requests_total") == 0
 
 
 def test_a_bug_in_a_reduce_is_internal_not_the_clients_fault_and_is_not_resent(made):
-    """A ``reduce`` that raises numpy's "index 600 is out of bounds": INTERNAL naming the stage,
-    no exception text for the client, no isolation re-run."""
+    """A ``reduce`` that raises numpy's "index 600 is out of bounds" (a message the error
+    classifier would call the client's): INTERNAL naming the stage, no exception text for the
+    client, no isolation re-run."""
     pb = FakePbUtils(sub_models())
     made.append(orch := orchestrator(pb))
 
@@ -204,7 +115,6 @@ def test_a_bug_in_a_reduce_is_internal_not_the_clients_fault_and_is_not_resent(m
     orch.run = functools.partial(image_run, reduce=buggy)
     requests = [Request(image_inputs(), request_id=f"r{i}") for i in range(4)]
     pb.execute(orch, requests)
-    wait_answered(requests)
     for request in requests:
         error = request.answer.error()
         assert error.code() == pb.TritonError.INTERNAL
@@ -212,28 +122,195 @@ def test_a_bug_in_a_reduce_is_internal_not_the_clients_fault_and_is_not_resent(m
         assert "out of bounds" not in error.message() and "IndexError" not in error.message()
     assert sum(1 for model, _ in pb.calls if model == "classifier") == 1
     assert any("IndexError" in line for line in pb.log), "the details must reach the log"
-    assert settled_metric(pb, "bls_subrequest_errors_total", kind="internal") >= 1
+    assert settled_metric(pb, "bls_subrequest_errors_total", kind="internal") == 1
     assert pb.metric("bls_subrequest_errors_total", kind="invalid") == 0
 
 
-def test_a_request_that_cannot_be_read_is_internal_not_invalid_arg(made):
+@pytest.mark.parametrize("where", ["reading the second request", "forming the groups"])
+def test_a_bug_in_execute_itself_answers_every_request_internal(made, monkeypatch, where):
+    """``execute`` must not raise (r24.10 then deletes every response factory, answered ones
+    included): whatever its own code raises, every request of the batch, read or not yet, is
+    answered INTERNAL from its list, and the next batch runs."""
+    pb = rows_models()
+    made.append(orch := orchestrator(pb))
+    if where == "forming the groups":
+        monkeypatch.setattr(triton_runtime, "form", lambda *args: 1 / 0)
+    else:
+        receive, seen = orch._receive, []
+
+        def fails_second(request, arrived):
+            seen.append(request)
+            if len(seen) == 2:
+                raise ZeroDivisionError("a bug")
+            return receive(request, arrived)
+
+        monkeypatch.setattr(orch, "_receive", fails_second)
+    requests = [Request(image_of(v), request_id=f"e{v}") for v in (2, 3, 4)]
+    returned = pb.execute(orch, requests)
+    assert all(response is not None for response in returned)
+    assert [code_of(r.answer) for r in requests] == ["INTERNAL"] * 3
+    assert any("execute failed" in line and "ZeroDivisionError" in line for line in pb.log)
+    monkeypatch.undo()
+    after = Request(image_of(5), request_id="after")
+    pb.execute(orch, [after])
+    assert not after.answer.has_error()
+
+
+# -- answers the clock sends ---------------------------------------------------------------------
+def test_a_send_that_raises_once_loses_only_its_own_answer(made):
+    """Three members past their deadline, sent by the clock; the first send raises (r24.10 has
+    closed the sender: that answer is lost, counted SEND_FAILED) and the clock goes on with the
+    others."""
     pb = FakePbUtils(sub_models())
     made.append(orch := orchestrator(pb))
-    pb.faults.plan("get_input_tensor_by_name", "once")
-    request = Request(image_inputs())
-    pb.execute(orch, [request])
-    error = request.answer.error()
-    assert error.code() == pb.TritonError.INTERNAL and "injected" not in error.message()
+    requests = [Request(image_inputs(), request_id=f"r{i};classifier=0.3", timeout_us=100_000)
+                for i in range(3)]
+    pb.faults.plan("send", "once")
+    pb.execute(orch, requests)
+    lost = [r for r in requests if not r.answers]
+    assert len(lost) == 1 and lost[0].sender.attempts == 1
+    assert [code_of(r.answer) for r in requests if r not in lost] == ["UNAVAILABLE"] * 2
+    assert settled_metric(pb, "bls_requests_total", code="SEND_FAILED") == 1
+    pb.executed.remove(lost[0])  # r24.10 leaves no way to answer it: not the runtime's fault
+
+
+def test_a_send_under_way_holds_executes_return(made):
+    """The clock's send of an answer takes 0.3 s (a slow round trip): ``execute`` returns only
+    once it is done, so nothing is owed, or uses a request, after ``execute`` returned."""
+    pb = FakePbUtils(sub_models())
+    made.append(orch := orchestrator(pb))
+    slow = Request(image_inputs(), request_id="slow;classifier=0.15", timeout_us=100_000)
+    slow.sender.delay = 0.3
+    started = time.monotonic()
+    pb.execute(orch, [slow])
+    assert slow.sender.sent, "execute returned while its answer was still being sent"
+    assert time.monotonic() - started >= 0.1 + 0.3
+    assert code_of(slow.answer) == "UNAVAILABLE"
+
+
+CLOCK_SEND_BUG = (
+    "bls_models/triton_runtime.py: _keep (and _ask) mark a job answered, then _send counts any "
+    "failure of Backend.send as SEND_FAILED; building the response or getting the sender can "
+    "fail before the sender is used, and the request is then never answered (no plainer "
+    "INTERNAL answer as _respond tries, and execute's list skips it)")
+
+
+@pytest.mark.xfail(strict=True, reason=CLOCK_SEND_BUG)
+@pytest.mark.parametrize("call", ["get_response_sender", "InferenceResponse", "Tensor",
+                                  "TritonError"])
+def test_an_answer_the_clock_cannot_build_or_hand_over_is_still_given(call):
+    """Only a ``send`` that raises has closed its sender (r24.10): when the clock cannot build
+    its answer, or get the sender, once, the request must still be answered (INTERNAL at
+    worst), as ``execute``'s own list does. The clock sends a success ready early (``fast``,
+    its deadline passing while the other group runs) or a deadline error (``TritonError``)."""
+    pb = rows_models()
+    orch = orchestrator(pb)
+    try:
+        if call == "TritonError":
+            early = Request(image_of(3), request_id="early;classifier=300", timeout_us=100_000)
+            batch = [early]
+            pb.faults.plan(call, "once")
+        else:
+            early = Request(image_of(3, 10), request_id="early", timeout_us=100_000)
+            batch = [early, Request(image_of(4, 10), request_id="slow;classifier=300")]
+            # Once the sub-requests are out, the next such call is the clock's, at 100 ms.
+            threading.Timer(0.05, pb.faults.plan, (call, "once")).start()
+        pb.execute(orch, batch)
+    finally:
+        pb.finalize(orch)
+    assert pb.faults.raised[call] == 1
+    assert early.sender.attempts == 0 or early.answers, "a send that raised: not this case"
+    assert len(early.answers) == 1, f"lost although its sender was never used ({call})"
+    assert pb.check() == []
+
+
+# -- metrics ---------------------------------------------------------------------------------------
+def test_metrics_survive_a_failed_publication_and_lose_nothing():
+    """A publication fails once: what it did not publish goes out with the next one; the
+    latency histogram (published every HISTOGRAM_FLUSH_SECONDS, and at finalize) counts every
+    request from its arrival in ``execute``."""
+    pb = FakePbUtils(sub_models())
+    orch = orchestrator(pb)
+    try:
+        pb.faults.plan("metric", "once")
+        for round_ in range(3):
+            requests = [Request(image_inputs(), request_id=f"{round_}.{i};preprocess=0.05")
+                        for i in range(5)]
+            pb.execute(orch, requests)
+            time.sleep(2 * FLUSH_SECONDS)
+        assert pb.faults.raised["metric"] == 1
+        assert settled_metric(pb, "bls_requests_total", code="SUCCESS") == 15
+        assert pb.metric("bls_inflight_requests") == 0
+    finally:
+        pb.finalize(orch)
+    assert pb.metric("bls_request_latency_seconds_count") == 15
+    assert pb.metric("bls_request_latency_seconds_sum") >= 15 * 0.05
+    assert pb.check() == []
+
+
+# -- shutdown ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("path", ["clean", "publishing fails", "logging fails",
+                                  "a thread stuck past the drain"])
+def test_shutdown_cleans_up_on_every_path(monkeypatch, path):
+    """Whatever fails at finalize, it returns, the clock and the pool's threads end (a thread
+    blocked in a sub-model is left to the process's exit), the metrics are published when they
+    can be, and no pb_utils call happens after finalize."""
+    shorten_shutdown(monkeypatch, 0.2)
+    pb = rows_models()
+    orch = orchestrator(pb)
+    # Two groups of 10 rows: the second runs on the pool, its member is answered at its deadline
+    # while its classifier is still out (0.6 s: past the 0.2 s drain when stuck).
+    delay = 600 if path == "a thread stuck past the drain" else 150
+    requests = [Request(image_of(1, 10), request_id="first"),
+                Request(image_of(2, 10), request_id=f"second;classifier={delay}",
+                        timeout_us=100_000)]
+    pb.execute(orch, requests)
+    if path == "publishing fails":
+        pb.faults.plan("metric", "always")
+    elif path == "logging fails":
+        pb.faults.plan("Logger", "always")
+    started = time.monotonic()
+    pb.finalize(orch)
+    assert time.monotonic() - started < 0.2 + 2 * 0.2 + SLACK
+    assert not orch._clock.is_alive()
+    stuck = [thread for thread in orch.pool._threads if thread.is_alive()]
+    assert len(stuck) == (1 if path == "a thread stuck past the drain" else 0)
+    if path != "publishing fails":
+        assert pb.metric("bls_requests_total") == 2, "the last metrics were not published"
+        assert pb.metric("bls_deadline_exceeded_total") == 1
+    time.sleep(0.6)  # a stuck classifier answers: the thread makes no pb_utils call
+    assert not any(thread.is_alive() for thread in orch.pool._threads)
+    assert pb.violations == [] and pb.check() == []
+    assert [code_of(r.answer) for r in requests] == ["SUCCESS", "UNAVAILABLE"]
+
+
+# -- isolation in every execute call, and what must not grow -------------------------------------
+def test_answers_are_exact_rows_after_isolation_in_every_execute_call(made):
+    """Three execute calls of two groups each (16 rows at most: the second runs on the pool),
+    each group with a poisoned request: every other request gets exactly its own rows, in every
+    call (the fake overwrites a request's memory when execute returns)."""
+    pb = rows_models()
+    made.append(orch := orchestrator(pb))
+    requests = []
+    for call in range(3):
+        values = [20 + 10 * call + i for i in range(4)]
+        batch = [Request(image_of(values[0], 6), request_id=f"c{call}a"),
+                 Request(image_of(values[1], 6), request_id=f"c{call}b"),
+                 Request(image_of(POISON), request_id=f"c{call}p"),
+                 Request(image_of(values[2], 6), request_id=f"c{call}c"),
+                 Request(image_of(values[3], 6), request_id=f"c{call}d"),
+                 Request(image_of(POISON), request_id=f"c{call}q")]
+        pb.execute(orch, batch)
+        requests += batch
+    assert [code_of(r.answer) for r in requests] == (
+        ["SUCCESS", "SUCCESS", "INVALID_ARG"] * 6)
+    assert settled_metric(pb, "bls_isolated_requests_total") == 3 * 6
 
 
 def footprint(orch) -> int:
-    """Items in every unbounded container of the runtime's objects (and of the objects of
-    bls_models they hold). The metrics are keyed by series, bounded by their labels
-    (tests/unit/test_metrics.py); the threads by ``subrequest_threads`` and the clock's timers
-    by the live ones (both asserted below)."""
-    from bls_models.clock import Clock
-    from bls_models.workers import Workers
-
+    """Items in every container of the runtime's objects (and of the objects of bls_models they
+    hold). The metrics are keyed by series, bounded by their labels (tests/unit/test_metrics.py);
+    the pool's threads by ``subrequest_threads`` (asserted below)."""
     seen, total = set(), 0
     todo = [orch]
     while todo:
@@ -243,125 +320,46 @@ def footprint(orch) -> int:
         seen.add(id(thing))
         for value in (vars(thing) if hasattr(thing, "__dict__") else
                       {s: getattr(thing, s, None) for s in getattr(thing, "__slots__", ())}).values():
-            if isinstance(value, deque) and value.maxlen is not None:
-                continue  # a bounded window (recent batch times)
-            if isinstance(value, (list, dict, set, deque)):
+            if isinstance(value, (list, dict, set)):
                 total += len(value)
             elif (type(value).__module__.startswith("bls_models")
-                  and not isinstance(value, (Metrics, Workers, Clock, type))):
+                  and not isinstance(value, (Metrics, Pool, type))):
                 todo.append(value)
     return total
 
 
-def test_an_orchestrators_state_does_not_grow_with_traffic(made):
-    """After 40 and after 240 requests (a fresh ``functools.partial`` reduce per call, as a
-    pipeline may pass; some slower than the hold), the runtime's containers hold the same."""
-    pb = FakePbUtils(DirectedRowModels().models())
-    made.append(orch := orchestrator(pb, return_within_ms="20"))
+def test_no_container_of_the_runtime_grows_with_traffic(made):
+    """After 40 and after 240 requests (a fresh ``functools.partial`` reduce per run, as a
+    pipeline may pass; some past their deadline, some poisoned and isolated), every container
+    of the runtime's objects holds the same: nothing is kept per request, batch, group or
+    reduce."""
+    pb = FakePbUtils(DirectedRowModels(poisoned_stages=("embedder",)).models())
+    made.append(orch := orchestrator(pb))
 
     def scaled(outputs, factor):
         return {"LOGITS": outputs["LOGITS"] * factor}
 
     orch.run = lambda inputs, call, setup: image_run(
         inputs, call, setup, reduce=functools.partial(scaled, factor=1.0))
-    requests = []
+    sent = []
 
-    def send(count: int) -> None:
+    def traffic(count: int) -> None:
         for _ in range(count // 4):
-            slow = "preprocess=30" if len(requests) % 20 == 0 else ""
-            batch = [Request(image_of(20 + (len(requests) + v) % 100),
-                             request_id=f"{len(requests)}.{v};{slow}") for v in range(4)]
-            requests.extend(batch)
+            n = len(sent)
+            late = n % 40 == 0
+            batch = [Request(image_of(POISON if (n + v) % 37 == 0 else 20 + (n + v) % 100),
+                             request_id=f"{n}.{v}" + (";classifier=60" if late else ""),
+                             timeout_us=30_000 if late and v == 0 else 0)
+                     for v in range(4)]
+            sent.extend(batch)
             pb.execute(orch, batch)
-        wait_answered(requests, timeout=30)
         time.sleep(0.1)
 
-    send(40)
+    traffic(40)
     after_40 = footprint(orch)
-    send(200)
+    traffic(200)
     assert footprint(orch) == after_40
-    assert len(orch.workers._threads) <= orch.config.subrequest_threads
-    live = sum(not timer.cancelled for _, _, timer in orch.clock._heap)
-    assert len(orch.clock._heap) <= 2 * live, "cancelled timers pile up"
-    assert all(not r.answer.has_error() for r in requests)
-    assert orch.answers.pending == set() and orch.admission.running == 0
-
-
-def test_no_lock_is_held_across_a_round_trip_to_the_server(made):
-    """``send``, ``is_cancelled`` and publishing metrics are IPC round trips in r24.10: the
-    runtime's pb_utils lock is not held across them. (Every answer is sent here.)"""
-    pb = FakePbUtils(sub_models())
-    made.append(orch := orchestrator(pb, return_within_ms="0"))
-    pb.forbidden_locks.append(orch.backend.lock)
-    requests = [Request(image_inputs(), request_id=f"r{i};preprocess=0.05") for i in range(6)]
-    pb.execute(orch, requests)
-    wait_answered(requests)
-    time.sleep(2 * FLUSH_SECONDS)
-    assert pb.faults.calls["send"] == 6 and pb.faults.calls["is_cancelled"] >= 6
-    assert pb.faults.calls["metric"] > 0
-    assert pb.violations == []
-
-
-def test_metrics_survive_a_failed_publication_and_lose_nothing(made):
-    pb = FakePbUtils(sub_models())
-    made.append(orch := orchestrator(pb))
-    pb.faults.plan("metric", "once")
-    for round_ in range(3):
-        requests = [Request(image_inputs(), request_id=f"{round_}.{i}") for i in range(5)]
-        pb.execute(orch, requests)
-        wait_answered(requests)
-        time.sleep(2 * FLUSH_SECONDS)
-    assert pb.faults.raised["metric"] == 1
-    assert settled_metric(pb, "bls_requests_total", code="SUCCESS") == 15
-    assert pb.metric("bls_inflight_requests") == 0
-
-
-def test_shutdown_cleans_up_on_every_path_even_when_an_answer_is_slow_to_send(monkeypatch):
-    """Answering at shutdown takes 1 s (a slow send): the threads still end, the metrics are
-    published, finalize does not raise, and no pb_utils call happens after it."""
-    from bls_models import triton_runtime
-
-    monkeypatch.setattr(triton_runtime, "SHUTDOWN_DRAIN_SECONDS", 0.2)
-    pb = FakePbUtils(sub_models())
-    orch = orchestrator(pb, return_within_ms="20")
-    stuck = Request(image_inputs(), request_id="classifier=0.6")
-    stuck.sender.delay = 1.0
-    pb.execute(orch, [stuck])
-    pb.finalize(orch)
-    assert len(stuck.answers) == 1
-    assert stuck.answer.error().code() == pb.TritonError.UNAVAILABLE
-    assert pb.metric("bls_requests_total", code="UNAVAILABLE") == 1, "metrics not published"
-    time.sleep(0.6)
-    assert pb.violations == []
-    assert not [t for t in threading.enumerate() if t.name.startswith("pipeline-")
-                and t.is_alive() and "worker" not in t.name]
-
-
-def test_a_sub_request_still_out_after_finalize_makes_no_pb_utils_call(monkeypatch):
-    shorten_shutdown(monkeypatch, 0.1)
-    pb = FakePbUtils(sub_models())
-    orch, request = executing(pb, "embedder=0.8")
-    time.sleep(0.05)
-    pb.finalize(orch)
-    assert request.answer.error().code() == pb.TritonError.UNAVAILABLE
-    time.sleep(1.0)  # the embedder answers the thread left behind
-    assert pb.violations == []
-
-
-def test_answers_are_exact_rows_after_isolation_in_every_execute_call(made):
-    """Groups of several calls, one with a poisoned row: the rows each success carries are its
-    own (a regression guard for views of request memory kept past execute)."""
-    from tests.unit.row_models import POISON, code_of
-
-    pb = FakePbUtils(DirectedRowModels().models())
-    made.append(orch := orchestrator(pb))
-    values = [20, 21, POISON, 23, 24, 25]
-    requests = [Request(image_of(v), request_id=f"r{i}") for i, v in enumerate(values)]
-    for index in range(0, 6, 3):
-        pb.execute(orch, requests[index:index + 3])
-    wait_answered(requests)
-    for request, value in zip(requests, values):
-        if value == POISON:
-            assert code_of(request.answer) == "INVALID_ARG"
-        else:
-            assert exact(request.answer, value)
+    assert len(orch.pool._threads) <= orch.config.subrequest_threads
+    assert orch.out == set() and orch._batches == set()
+    codes = {code_of(r.answer) for r in sent}
+    assert codes == {"SUCCESS", "INVALID_ARG", "UNAVAILABLE"}, codes
