@@ -1,6 +1,9 @@
-"""Metrics batching (pure logic, with a recording stand-in for pb_utils' metric classes)."""
+"""Metrics batching (pure logic, with a recording stand-in for pb_utils' metric classes), and the
+series the runtime counts against those it declares at load."""
 
 import math
+import threading
+import time
 
 from bls_models.backend import Backend
 from bls_models.errors import Code, Kind
@@ -160,3 +163,35 @@ def test_known_series_cover_what_the_runtime_counts():
     metrics.increment("bls_cancelled_requests_total", stage="s")
     metrics.flush()
     assert len(pb.created) == before
+
+
+def test_every_series_the_runtime_counts_was_created_at_load():
+    """A burst that meets isolation (and its re-used sub-requests), a deadline with abandoned
+    sub-requests, a stage timeout and a cancellation: once finalize has published everything,
+    no series exists that the orchestrator did not create at load (a label value it counts is
+    one ``known_series`` lists, so dashboards see every series from the start)."""
+    from tests.helpers import orchestrator
+    from tests.unit.fake_pb_utils import FakePbUtils, Request
+    from tests.unit.row_models import POISON, DirectedRowModels, image_of
+
+    pb = FakePbUtils(DirectedRowModels(poisoned_stages=("embedder",)).models())
+    orch = orchestrator(pb, embedder_timeout_ms="150")
+    at_load = set(pb.metrics)
+    cancelled = Request(image_of(5), request_id="c;preprocess=250")
+    threading.Timer(0.05, cancelled.sender.cancelled.set).start()
+    try:
+        pb.execute(orch, [Request(image_of(v), request_id=f"i{v}") for v in (20, POISON, 22)])
+        pb.execute(orch, [Request(image_of(1), request_id="d;classifier=250",
+                                  timeout_us=100_000)])
+        pb.execute(orch, [Request(image_of(2), request_id="t;embedder=250")])
+        pb.execute(orch, [cancelled])
+        time.sleep(0.3)  # the abandoned sub-requests come back
+    finally:
+        pb.finalize(orch)
+    assert set(pb.metrics) == at_load
+    for family in ("bls_isolated_requests_total", "bls_isolation_reused_subrequests_total",
+                   "bls_deadline_exceeded_total", "bls_abandoned_subrequests_completed_total",
+                   "bls_cancelled_requests_total", "bls_request_latency_seconds_count",
+                   "bls_subrequest_rows_count"):
+        assert pb.metric(family) > 0, f"the burst never counted {family}"
+    assert pb.check() == []
