@@ -15,10 +15,10 @@ from modelgen import export, variants
 
 LONG_DEADLINE_PIPELINE = "pipeline_deadline_120s"
 LOGITS_TAG_PIPELINE = "tag_pipeline_logits"  # tag_pipeline over `tagger`: reduced in the stub
-# `pipeline` admitting what this machine answers within about a second (~70 req/s): 2 x 8 in
-# flight (plus a batch of 16 being handed over), no queue in the orchestrator and a queue of 16
-# in Triton, 64 in all, against the committed 2 x (512 in flight + 512 queued) and a queue of
-# 4 096.
+# `pipeline` admitting what this machine answers within about a second (~70 req/s): 2 instances
+# each running one batch of up to 16 and a queue of 32 in Triton (its queue policy's
+# max_queue_size), 64 in all, against the committed 2 x 16 and a queue of 4 096. Beyond that
+# Triton refuses at once ("Exceeds maximum queue size").
 SHEDDING_PIPELINE = "pipeline_shed"
 
 
@@ -39,9 +39,8 @@ def variant_specs(repository: Path) -> list[tuple[S.ModelSpec, str]]:
                                              "stage_model_repositories": str(repository)})
     shedding = dataclasses.replace(
         S.PIPELINE, name=SHEDDING_PIPELINE,
-        parameters={**S.PIPELINE.parameters, "max_inflight_requests": "8",
-                    "max_queued_requests": "0", "stage_model_repositories": str(repository)},
-        batching=dataclasses.replace(S.PIPELINE.batching, max_queue_size=16))
+        parameters={**S.PIPELINE.parameters, "stage_model_repositories": str(repository)},
+        batching=dataclasses.replace(S.PIPELINE.batching, max_queue_size=32))
     return ([(budget, "pipeline"), (logits, "tag_pipeline"), (shedding, "pipeline")]
             + [(t, "tagger") for t in taggers]
             + [(c, S.DIGITS_CASCADE.name) for c in control_flow.cascade_variants(repository)])

@@ -1,5 +1,5 @@
 """Far above capacity, `pipeline` over gRPC: synchronous against asyncio clients at up to 1 000
-in flight (`make bench-clients`), and closed-loop clients against the committed admission and a
+in flight (`make bench-clients`), and closed-loop clients against the committed queue and a
 shedding variant sized to this host (`make bench-overload`)."""
 
 from __future__ import annotations
@@ -51,11 +51,9 @@ def client_styles(ctx: Context) -> Result:
 
 
 def _admission(spec: S.ModelSpec) -> int:
-    """Requests a model takes before refusing: per instance, those in flight, those waiting for
-    a slot and a batch being handed over; times instances, plus its queue in Triton."""
-    per_instance = (int(spec.parameters["max_inflight_requests"])
-                    + int(spec.parameters["max_queued_requests"]) + spec.max_batch_size)
-    return spec.instance_count * per_instance + spec.batching.max_queue_size
+    """Requests a model takes before refusing: a batch running in each instance (an instance
+    runs one at a time), plus its queue in Triton (the queue policy's ``max_queue_size``)."""
+    return spec.instance_count * spec.max_batch_size + spec.batching.max_queue_size
 
 
 def overload(ctx: Context) -> Result:
@@ -96,12 +94,14 @@ def overload(ctx: Context) -> Result:
                 + f" | {len(late)} | {other} |")
     result.summary += [
         "",
-        f"- `{SHEDDING_PIPELINE}` is `pipeline` with `max_inflight_requests` 8 and "
-        "`max_queue_size` 16: sized so that what it admits is answered in about a second here. "
+        f"- `{SHEDDING_PIPELINE}` is `pipeline` with its queue policy's `max_queue_size` "
+        f"{shedding.batching.max_queue_size}: sized so that what it admits is answered in about "
+        "a second here. "
         "Beyond that it refuses at once, and what it admits keeps its latency. A refusal is not "
         "free: Triton still reads the 150 KB request, and here the retrying clients share the "
         "server's 2 cores.",
-        "- The committed `pipeline` admits over 5 000 (sized for a GPU host): here, a thousand "
+        f"- The committed `pipeline` admits {_admission(S.PIPELINE)} (sized for a GPU host): "
+        "here, a thousand "
         "clients all wait, and what cannot be answered within the deadline fails late instead of "
         "being refused early. Size admission as throughput x acceptable wait "
         "(docs/configuration.md)."]

@@ -101,11 +101,12 @@ VARIANTS = (
     variant(S.PIPELINE, "pipeline_slow", preprocess_model="fault_preprocess",
             classifier_model="fault_slow", embedder_model="fault_embedder",
             default_deadline_ms="1000", subrequest_threads="8"),
-    # 8 requests in flight per instance: far more concurrent requests wait for a slot (the
-    # overload test, tests/live/test_failure_paths.py; the classifier is slowed per request).
+    # Its own model for the overload test (tests/live/test_failure_paths.py), which slows the
+    # classifier per request: each instance runs one batch at a time, so a burst far beyond
+    # 2 x 16 rows waits in Triton's queue of this model, where the queue policy applies each
+    # request's timeout, away from the queues of the models other tests use.
     variant(S.PIPELINE, "pipeline_overload", preprocess_model="fault_preprocess",
-            classifier_model="fault_classifier", embedder_model="fault_embedder",
-            max_inflight_requests="8"),
+            classifier_model="fault_classifier", embedder_model="fault_embedder"),
 )
 
 
@@ -116,12 +117,13 @@ def variant_named(name: str) -> S.ModelSpec:
 def real_model_variants(real_repository: Path) -> tuple[S.ModelSpec, ...]:
     """Orchestrator variants over the real sub-models (found in ``real_repository``)."""
     return (
-        # Admits little: 2 instances x 4 in flight, no queue in the orchestrator and a queue of
-        # 8 in Triton, so a burst of a few hundred is mostly refused (the overload test).
+        # Admits little: 2 instances each running one batch of up to 16 rows and a queue of 16
+        # in Triton (its queue policy's max_queue_size), 48 requests in all, so a burst of a
+        # few hundred is mostly refused at once (tests/live/test_degradation.py).
         dataclasses.replace(
-            variant(S.PIPELINE, "pipeline_admission", max_inflight_requests="4",
-                    max_queued_requests="0", stage_model_repositories=str(real_repository)),
-            batching=dataclasses.replace(S.PIPELINE.batching, max_queue_size=8)),
+            variant(S.PIPELINE, "pipeline_admission",
+                    stage_model_repositories=str(real_repository)),
+            batching=dataclasses.replace(S.PIPELINE.batching, max_queue_size=16)),
         # The GPU profiles' setting on this CPU-only server: every output arrives in CPU memory,
         # so this exercises the fallback (tests/live/test_pipelines.py).
         variant(S.PIPELINE, "pipeline_gpu_tensors", gpu_tensors="on",
