@@ -20,8 +20,9 @@ written to ``bench/results/pb_calls.md`` (and ``.json``):
    (p50).
 3. **Calls per request of the orchestrator**, counted over the unit tests' r24.10-like fake
    ``pb_utils`` (tests/unit/fake_pb_utils.py): the committed ``pipeline`` (its config's
-   parameters), its requests arriving one per ``execute`` and four per ``execute``, answers
-   returned from ``execute`` (as committed) and sent (``return_within_ms`` 0).
+   parameters), its requests arriving one per ``execute`` and four per ``execute``, answered
+   in ``execute``'s list, and requests whose deadline passes while their classifier still runs,
+   which the runtime's clock answers through their response senders (``SETUPS``).
 
 Multiply 3 by 1 for the cost of the calls; the rest of the stub's CPU per request
 (``make bench-overhead``) is the runtime's own Python. The repository given is only read.
@@ -298,6 +299,14 @@ def answering(server: TritonServer) -> list[dict]:
     return rows
 
 
+# Part 3: (label, requests per execute, executes, each request's timeout in µs (0: the default
+# deadline), what its id tells the fake classifier). Answered in execute's list, or sent by the
+# clock at a 20 ms deadline while a 60 ms classifier still runs (execute returns after it).
+SETUPS = (("1 per execute, returned", 1, 50, 0, ""),
+          ("4 per execute, returned", 4, 50, 0, ""),
+          ("1 per execute, sent at its deadline", 1, 20, 20_000, ";classifier=60"))
+
+
 def calls_per_request() -> dict[str, dict[str, float]]:
     """pb_utils calls per request of the committed ``pipeline`` over the fake ``pb_utils``."""
     from tests.helpers import orchestrator, wait_answered
@@ -305,21 +314,21 @@ def calls_per_request() -> dict[str, dict[str, float]]:
     from tests.unit.row_models import DirectedRowModels, image_of
 
     counted = {}
-    for per_execute, hold in ((1, None), (4, None), (1, "0"), (4, "0")):
+    for label, per_execute, executes, timeout_us, directions in SETUPS:
         pb = FakePbUtils(DirectedRowModels().models())
-        orch = orchestrator(pb, **({} if hold is None else {"return_within_ms": hold}))
+        orch = orchestrator(pb)
         try:
             time.sleep(0.2)
             before = dict(pb.faults.calls)
             total = 0
-            for batch in range(50):
-                requests = [Request(image_of(20 + i), request_id=f"b{batch}-{i}")
+            for batch in range(executes):
+                requests = [Request(image_of(20 + i), request_id=f"b{batch}-{i}{directions}",
+                                    timeout_us=timeout_us)
                             for i in range(per_execute)]
                 pb.execute(orch, requests)
                 wait_answered(requests)
                 total += len(requests)
-            counted[f"{per_execute} per execute, "
-                    f"{'returned' if hold is None else 'sent'}"] = {
+            counted[label] = {
                 name: (count - before.get(name, 0)) / total
                 for name, count in sorted(pb.faults.calls.items())
                 if count - before.get(name, 0) and name not in ("metric", "Logger")}
