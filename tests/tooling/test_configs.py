@@ -124,13 +124,18 @@ def test_generator_rejects_a_field_triton_does_not_know():
 
 def test_the_python_backend_thread_pool_exceeds_every_orchestrators_subrequest_threads():
     """Each BLS call in flight holds one of the python backend's per-instance server threads and
-    each response sent needs one: with no spare thread, responses wait behind sub-requests to a
-    slow model (tests/live/test_degradation.py saw deadline errors 0.9 s late)."""
+    each response sent needs one: with no spare thread, the answers the clock sends at their
+    deadlines wait behind sub-requests to a slow model (tests/live/test_degradation.py saw
+    deadline errors 0.9 s late). An instance has out at once one call per pool thread
+    (``subrequest_threads``) and one on ``execute``'s own thread."""
+    from bench.repository import variant_specs
     from modelgen import variants
+    from tests.helpers import REPOSITORY
     from tritonlocal import ServerOptions
 
     pool = ServerOptions(model_repository=".").python_thread_pool
-    orchestrators = [*S.BLS_MODELS, *variants.VARIANTS]
+    orchestrators = [*S.BLS_MODELS, *variants.VARIANTS, *variants.real_model_variants(REPOSITORY),
+                     *(spec for spec, _ in variant_specs(REPOSITORY))]
     threads = {m.name: registered(m.orchestrates).parse(m.parameters).subrequest_threads
-               for m in orchestrators}
-    assert max(threads.values()) < pool, threads
+               for m in orchestrators if m.orchestrates}
+    assert max(threads.values()) + 1 < pool, threads
