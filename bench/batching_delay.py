@@ -1,6 +1,6 @@
 """How the orchestrator's own dynamic batcher shapes its groups over fast sub-models.
 
-``python -m bench.batching_delay 0 2000:8 0/return_within_ms=5 0/instances=4`` serves the
+``python -m bench.batching_delay 0 2000:8 0/subrequest_threads=4 0/instances=4`` serves the
 ``overhead`` experiment's repository (the committed configs over ONNX models of size ``fast``, or
 with ``--models committed`` the repository's own, in a temporary directory) once per variant —
 ``<max_queue_delay_microseconds>[:<preferred_batch_size>][/<parameter>=<value>]...`` set on

@@ -6,8 +6,8 @@ Every design answers `pipeline`'s contract:
 
 | design | how requests of one instance overlap |
 |---|---|
-| runtime x2 (production) | `execute` waits for its batch up to the hold; then its answers go |
-| | through response senders while the next batch runs |
+| runtime x2 (production) | `execute` answers its whole batch (a request whose deadline passes |
+| | first is sent its answer by the clock meanwhile); one batch at a time per instance |
 | minimal per-batch x2, x4 | `execute` waits for its whole batch (bench/models/minimal.py: the anchor) |
 | naive x2 | Triton's BLS example: `async def execute`, `async_exec` per request (bench/models/naive.py) |
 
