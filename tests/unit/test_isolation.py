@@ -135,6 +135,32 @@ def test_a_stage_failing_as_a_whole_is_never_re_run(made):
     assert len(pb.sent) == 3
 
 
+SICK_STAGE_RE_SENT = (
+    "drive._gather raises the first PipelineError in branch order, so a group whose classifier "
+    "met a bad row (INVALID) while its embedder failed as a whole (INTERNAL) is isolated "
+    "(triton_runtime.Orchestrator._failed sees only the row-caused error), and every attempt "
+    "re-sends the failing embedder: 2n sub-requests to a sick model for a group of n")
+
+
+@pytest.mark.xfail(strict=True, reason=SICK_STAGE_RE_SENT)
+def test_a_stage_failing_as_a_whole_is_not_re_sent_while_a_bad_row_is_isolated():
+    """The case the test above names: a bad row in the classifier and the embedder failing every
+    request. Isolating cannot save anyone (each attempt meets the failing embedder again), and
+    re-sending to a model that fails as a whole only adds to its load: it gets the group's one
+    sub-request."""
+    pb = FakePbUtils(DirectedRowModels(sick={"embedder": STAGE_ERROR}).models())
+    orch = orchestrator(pb)
+    requests = [Request(image_of(v), request_id=f"r{v}") for v in (20, POISON, 22)]
+    try:
+        pb.execute(orch, requests)
+    finally:
+        pb.finalize(orch)
+    assert pb.check() == []
+    assert codes([requests[0], requests[2]]) == ["INTERNAL"] * 2
+    assert code_of(requests[1].answer) in ("INTERNAL", "INVALID_ARG")
+    assert [s.model for s in pb.sent].count("embedder") == 1
+
+
 def test_every_innocent_succeeds_under_a_steady_share_of_bad_requests(made):
     """One in ten requests poisoned, batches of 8, 40 batches: no innocent hears an error (no
     budget, no backlog to run out of), and an isolation costs a bounded number of attempts."""
