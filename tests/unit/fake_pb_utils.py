@@ -58,7 +58,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-
 # How late an answer may come past its deadline on a busy 2-core host (docs/reliability.md).
 DEADLINE_SLACK = 0.5
 
@@ -519,24 +518,29 @@ class FakePbUtils:
                            "them: pb_stub.cc)")
             returned = None
         if returned is not None:
-            if not isinstance(returned, list) or len(returned) != len(requests):
-                self.violation(f"execute returned {returned!r}, not one entry per request")
-            else:
-                for request, response in zip(requests, returned):
-                    if response is None:
-                        continue
-                    if not isinstance(response, InferenceResponse):
-                        self.violation(f"execute returned {response!r} for a request")
-                    elif request.sender.closed:
-                        self.violation("execute returned a response for an answered request")
-                    else:
-                        request.sender.closed = True
-                        request.returned = response
-                        request.sender.answered_at = time.monotonic()
-                        request.sender.done.set()
+            self._deliver(requests, returned)
         for request in requests:
             request.release()
         return returned
+
+    def _deliver(self, requests: list[Request], returned) -> None:
+        """What r24.10 does with the list ``execute`` returned: one final response per request
+        whose sender was never used (``None``: none)."""
+        if not isinstance(returned, list) or len(returned) != len(requests):
+            self.violation(f"execute returned {returned!r}, not one entry per request")
+            return
+        for request, response in zip(requests, returned):
+            if response is None:
+                continue
+            if not isinstance(response, InferenceResponse):
+                self.violation(f"execute returned {response!r} for a request")
+            elif request.sender.closed:
+                self.violation("execute returned a response for an answered request")
+            else:
+                request.sender.closed = True
+                request.returned = response
+                request.sender.answered_at = time.monotonic()
+                request.sender.done.set()
 
     def finalize(self, model) -> None:
         """``finalize``: from its start ``exec`` raises; after it returns, no pb_utils call may
