@@ -9,7 +9,6 @@ isolation in test_isolation.py."""
 from __future__ import annotations
 
 import functools
-import threading
 import time
 
 import numpy as np
@@ -201,20 +200,24 @@ CLOCK_SEND_BUG = (
 def test_an_answer_the_clock_cannot_build_or_hand_over_is_still_given(call):
     """Only a ``send`` that raises has closed its sender (r24.10): when the clock cannot build
     its answer, or get the sender, once, the request must still be answered (INTERNAL at
-    worst), as ``execute``'s own list does. The clock sends a success ready early (``fast``,
+    worst), as ``execute``'s own list does. The clock sends a success ready early (``early``,
     its deadline passing while the other group runs) or a deadline error (``TritonError``)."""
     pb = rows_models()
     orch = orchestrator(pb)
+    send = orch._send
+
+    def faulty_send(job):  # the clock's next such call raises, whatever the timing
+        pb.faults.plan(call, "once")
+        send(job)
+
+    orch._send = faulty_send
     try:
         if call == "TritonError":
             early = Request(image_of(3), request_id="early;classifier=300", timeout_us=100_000)
             batch = [early]
-            pb.faults.plan(call, "once")
         else:
             early = Request(image_of(3, 10), request_id="early", timeout_us=100_000)
             batch = [early, Request(image_of(4, 10), request_id="slow;classifier=300")]
-            # Once the sub-requests are out, the next such call is the clock's, at 100 ms.
-            threading.Timer(0.05, pb.faults.plan, (call, "once")).start()
         pb.execute(orch, batch)
     finally:
         pb.finalize(orch)
