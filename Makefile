@@ -53,7 +53,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
 .DEFAULT_GOAL := help
-.PHONY: help venv backend backend-gpu gpu-host models configs serve lint test test-unit bench bench-pb-calls bench-recovery soak clean docker-build docker-run test-container gpu-check
+.PHONY: help venv backend backend-gpu gpu-host models configs serve lint test test-unit bench bench-pb-calls bench-recovery bench-poison-load bench-ledger soak clean docker-build docker-run test-container gpu-check
 BENCH_EXPERIMENTS := ort_options orchestration overhead fanout designs large_output clients tuning overload control_flow
 
 help: ## Show this help
@@ -129,6 +129,12 @@ bench-pb-calls: models backend ## What each pb_utils call costs in a stub, send 
 
 bench-recovery: models backend ## A pipeline stub SIGKILLed under mixed load, 5 runs: what each model pays -> bench/results/recovery.md
 	$(PY) -m bench.recovery
+
+bench-poison-load: models backend ## One request in ten poisoned, 32 clients, 120 s: innocents failed, stubs' memory -> bench/results/poison_load.md
+	$(PY) -m bench.poison_load
+
+bench-ledger: $(STAMP) ## What each runtime mechanism costs a normal request, in-process -> bench/results/ledger.md
+	$(PY) -m bench.ledger
 
 docker-build: ## Build the NGC-based server image and its test image (Docker; no GPU needed)
 	docker build --target server -t $(IMAGE) .

@@ -71,7 +71,8 @@ def drive(awaitable, send, pool: "Pool | None" = None):
                 step = coroutine.throw(error) if error is not None else coroutine.send(value)
             except StopIteration as stop:
                 return stop.value
-            value = error = None
+            finally:  # no local keeps what is raised: its traceback holds this frame
+                value = error = None
             try:
                 if isinstance(step, Call):
                     value = send(step)
@@ -120,10 +121,17 @@ def _gather(awaitables, send, pool):
     for branch in branches:
         branch.done.acquire()
     errors = [b.error for b in branches if b.error is not None]
-    if errors:
-        raise next((e for e in errors if isinstance(e, Abandoned)), None) or next(
-            (e for e in errors if isinstance(e, PipelineError)), errors[0])
-    return [branch.result for branch in branches]
+    results = [branch.result for branch in branches]
+    for branch in branches:  # a branch's frame, in the error's traceback, holds the branch
+        branch.error = branch.result = None
+    if not errors:
+        return results
+    failure = next((e for e in errors if isinstance(e, Abandoned)), None) or next(
+        (e for e in errors if isinstance(e, PipelineError)), errors[0])
+    try:
+        raise failure
+    finally:  # no local keeps what is raised: its traceback holds this frame
+        errors = failure = None
 
 
 def run(awaitable, send):

@@ -143,6 +143,7 @@ class Orchestrator:
             self._unwatch(batch)
             return self._respond(batch.jobs)
         finally:
+            batch.groups = batch.jobs = []  # no cycle with its groups: freed at once
             self.executing -= 1
             self.inflight -= len(requests)
 
@@ -460,9 +461,13 @@ class Orchestrator:
                lambda member, outcome: self._settle(group, outcome, [member]))
 
     def _settle(self, group: Group, outcome, members=None) -> None:
-        """Give ``members`` (all of ``group``'s) without an outcome ``outcome``."""
+        """Give ``members`` (all of ``group``'s) without an outcome ``outcome``. An error is kept
+        without its traceback, whose frames hold the sub-requests' arrays (megabytes each) in
+        reference cycles only the garbage collector breaks, late."""
         if not isinstance(outcome, (dict, PipelineError)):
             outcome = internal_error(self.model)  # a bug: logged where it was caught
+        elif isinstance(outcome, PipelineError):
+            outcome.__traceback__ = outcome.__context__ = outcome.__cause__ = None
         with group.lock:
             for member in members or group.members:
                 if member.outcome is None:
