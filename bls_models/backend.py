@@ -27,6 +27,11 @@ class Finalized(RuntimeError):
     """The model was finalized while a sub-request was out: its result is dropped."""
 
 
+class NotSent(RuntimeError):
+    """A response could not be built or handed to the request's sender, which was never used:
+    the request may still be answered another way."""
+
+
 def owns_memory(array: np.ndarray) -> bool:
     """Whether ``array``'s memory was allocated by numpy (for it or an array it views), not
     borrowed from a foreign buffer such as shared memory. The r24.10 stub builds a CPU tensor's
@@ -95,13 +100,17 @@ class Backend:
 
     def send(self, request, arrays=None, message: str = "", code: str = "") -> None:
         """A response built as ``response`` builds it, sent through ``request``'s sender, final
-        (a round trip; no lock), then dropped under the lock. r24.10 closes the sender before
-        the response crosses, so a send that raises cannot be retried."""
+        (a round trip; no lock), then dropped under the lock. Raises ``NotSent`` when it fails
+        before the sender is used; r24.10 closes the sender before the response crosses, so a
+        ``send`` that raises (anything else) cannot be retried."""
         response = sender = None
         try:
-            response = self.response(arrays, message, code)
-            with self.lock:
-                sender = request.get_response_sender()
+            try:
+                response = self.response(arrays, message, code)
+                with self.lock:
+                    sender = request.get_response_sender()
+            except Exception as error:  # noqa: BLE001 - reported as what it means to the caller
+                raise NotSent(repr(error)) from None
             sender.send(response, flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
         finally:
             with self.lock:

@@ -21,7 +21,7 @@ class Job:
     batch's lock: the outputs of its own rows, or a ``PipelineError``."""
 
     __slots__ = ("request", "request_id", "arrived", "end", "limit", "budget_ms", "inputs",
-                 "rows", "outputs", "outcome", "answered")
+                 "rows", "outputs", "outcome", "answered", "sendable")
 
     def __init__(self, request, request_id: str, now: float, timeout_us: int,
                  default_ms: int, max_ms: int) -> None:
@@ -40,6 +40,7 @@ class Job:
         self.outputs: list[str] = []
         self.outcome = None
         self.answered = False  # its response was returned or sent
+        self.sendable = True  # False: the clock could not send it; execute's list answers it
 
 
 class Batch:
@@ -84,7 +85,7 @@ def key(job: Job) -> tuple:
 
 class Group:
     __slots__ = ("members", "inputs", "rows", "ids", "out", "stage", "done", "batch", "lock",
-                 "started", "pad", "observed")
+                 "started", "pad", "observed", "stage_failure")
 
     def __init__(self, members: list[Job], first_stage: str, pad: bool = False) -> None:
         self.members = members
@@ -105,6 +106,9 @@ class Group:
         self.started = 0.0
         self.pad = pad  # an isolation attempt: sub-requests padded to a full batch
         self.observed: list = []  # its stages' histogram observations, recorded at its end
+        # The first failure of a sub-request that no row causes: isolating would meet it again,
+        # so the members hear it.
+        self.stage_failure = None
 
     @property
     def closed(self) -> bool:

@@ -32,7 +32,7 @@ import numpy as np
 
 from bls_models import repository
 from bls_models import spec as S
-from bls_models.backend import Backend, DeviceTensor, Finalized
+from bls_models.backend import Backend, DeviceTensor, Finalized, NotSent
 from bls_models.definition import PipelineDef, registered
 from bls_models.drive import Abandoned, Call, Pool, drive
 from bls_models.errors import (
@@ -255,7 +255,7 @@ class Orchestrator:
                 return float("inf")
             expired = [job for group in batch.groups for job in self._expire(group, now)]
             due = [job for job in batch.jobs if not job.answered and job.outcome is not None
-                   and (job.end <= now or job in expired)]
+                   and job.sendable and (job.end <= now or job in expired)]
             pending = [job for job in batch.jobs if job.outcome is None]
             check = pending if now >= batch.next_check else []
             if check:
@@ -288,7 +288,7 @@ class Orchestrator:
         cancelled = []
         with batch.lock:
             for job in left:
-                if job.outcome is None:
+                if job.outcome is None and job.sendable:
                     group = next(g for g in batch.groups if job in g.members)
                     job.outcome, job.answered = Cancelled(group.where()), True
                     self.metrics.increment("bls_cancelled_requests_total", stage=group.where())
@@ -365,6 +365,11 @@ class Orchestrator:
         code, content = self._content(job)
         try:
             self.backend.send(job.request, **content)
+        except NotSent:  # its sender was never used: execute's list answers it
+            self.log(f"the clock could not answer '{job.request_id}':\n{traceback.format_exc()}",
+                     error=True)
+            job.answered, job.sendable = False, False
+            return
         except Exception:  # noqa: BLE001 - the sender is closed now (r24.10): no retry
             self.log(f"could not send the response of '{job.request_id}':\n"
                      f"{traceback.format_exc()}", error=True)
@@ -443,6 +448,7 @@ class Orchestrator:
                 traceback.format_exception(error)), error=True)
         if not live:
             return
+        error = group.stage_failure or error  # a stage failing as a whole: no isolation
         if not row_caused(error) or self.stopping:
             self._settle(group, error)
             return
@@ -551,10 +557,14 @@ class Orchestrator:
         return max(1, int(left * 1e6))
 
     def _failure(self, group: Group, stage: str, message: str, rows: int) -> PipelineError:
-        failure = sub_request_failed(stage, self.config.stage(stage).model, message)
+        model = self.config.stage(stage).model
+        failure = sub_request_failed(stage, model, message)
         # Whether it may have shared a sub-model batch with other requests' rows.
         failure.shared = (not group.pad and stage in self.batching
                           and rows < self.setup.max_rows[stage])
+        if failure.kind is not Kind.INVALID and group.stage_failure is None:
+            # Kept apart from the one raised, whose traceback will hold the group.
+            group.stage_failure = sub_request_failed(stage, model, message)
         self.metrics.increment("bls_subrequest_errors_total", stage=stage,
                                kind=failure.kind.value)
         return failure

@@ -187,14 +187,6 @@ def test_a_send_under_way_holds_executes_return(made):
     assert code_of(slow.answer) == "UNAVAILABLE"
 
 
-CLOCK_SEND_BUG = (
-    "bls_models/triton_runtime.py: _keep (and _ask) mark a job answered, then _send counts any "
-    "failure of Backend.send as SEND_FAILED; building the response or getting the sender can "
-    "fail before the sender is used, and the request is then never answered (no plainer "
-    "INTERNAL answer as _respond tries, and execute's list skips it)")
-
-
-@pytest.mark.xfail(strict=True, reason=CLOCK_SEND_BUG)
 @pytest.mark.parametrize("call", ["get_response_sender", "InferenceResponse", "Tensor",
                                   "TritonError"])
 def test_an_answer_the_clock_cannot_build_or_hand_over_is_still_given(call):

@@ -135,14 +135,6 @@ def test_a_stage_failing_as_a_whole_is_never_re_run(made):
     assert len(pb.sent) == 3
 
 
-SICK_STAGE_RE_SENT = (
-    "drive._gather raises the first PipelineError in branch order, so a group whose classifier "
-    "met a bad row (INVALID) while its embedder failed as a whole (INTERNAL) is isolated "
-    "(triton_runtime.Orchestrator._failed sees only the row-caused error), and every attempt "
-    "re-sends the failing embedder: 2n sub-requests to a sick model for a group of n")
-
-
-@pytest.mark.xfail(strict=True, reason=SICK_STAGE_RE_SENT)
 def test_a_stage_failing_as_a_whole_is_not_re_sent_while_a_bad_row_is_isolated():
     """The case the test above names: a bad row in the classifier and the embedder failing every
     request. Isolating cannot save anyone (each attempt meets the failing embedder again), and
