@@ -42,6 +42,9 @@ What it holds to, as r24.10 does (source files of triton-inference-server/python
   sub-request was made for requests that were all answered already (a closed group sends
   nothing more); and, where a test says what each request must get (``expect``), a success
   carries exactly its own rows' outputs and INVALID_ARG goes only to a request that is bad.
+* **One thread at a time in pb_utils' object calls** (creating, reading or freeing a request's
+  tensors, ``Tensor``, ``InferenceRequest``, ``InferenceResponse``, ``TritonError``, the log):
+  two threads inside them at once is a violation (stubs crashed that way under bursts).
 * **No lock across a round trip.** ``fake.forbidden_locks`` lists locks that must not be held by
   the calling thread during ``send``, ``is_cancelled`` and metric increments (each an IPC round
   trip to the server in r24.10).
@@ -241,9 +244,9 @@ class Request:
     def answer_attempts(self) -> int:
         return self.sender.attempts + (self.returned is not None)
 
-    def _use(self, name: str) -> None:
+    def _use(self, name: str, ipc: bool = False) -> None:
         if self.fake is not None:
-            self.fake.enter(name)
+            self.fake.enter(name, ipc=ipc)
             if self.released:
                 self.fake.violation(f"request.{name}() after execute returned")
                 raise RuntimeError("the request was released when execute returned")
@@ -267,9 +270,7 @@ class Request:
 
     def is_cancelled(self) -> bool:
         """A round trip to the server (r24.10 ``pb_cancel.cc``); only while the request lives."""
-        if self.fake is not None:
-            self.fake.enter("is_cancelled", ipc=True)
-        self._use("is_cancelled")
+        self._use("is_cancelled", ipc=True)
         self.sender.asked += 1
         return self.sender.cancelled.is_set()
 
@@ -340,6 +341,7 @@ class FakePbUtils:
         self.violations: list[str] = []
         self.executed: list[Request] = []       # every request handed to execute
         self.by_id: dict[str, Request] = {}     # those with a unique id
+        self._inside: dict[int, str] = {}      # thread -> the object call it is in
         self.reference = None  # request -> the outputs it must get (None: not known)
         self.culprit = None    # request -> whether it is bad (INVALID_ARG is its due)
         self.finalizing = False
@@ -397,7 +399,7 @@ class FakePbUtils:
                 self.timeout, self.preferred_memory = timeout, preferred_memory
 
             def exec(self):
-                fake.enter("exec")
+                fake.enter("exec", ipc=True)
                 if fake.finalizing:
                     raise RuntimeError("BLS is only supported during the 'execute' function.")
                 fake.faults.check("exec")
@@ -433,6 +435,21 @@ class FakePbUtils:
             for lock in self.forbidden_locks:
                 if _held_by_this_thread(lock):
                     self.violation(f"{name} (a round trip to the server) called holding a lock")
+            return
+        # An object call (it creates, reads or frees backend memory): r24.10 stubs crashed when
+        # two threads made such calls at once (``free(): invalid size``), so none may overlap
+        # another thread's. The check yields once inside the call, so that two unserialised
+        # threads meet here as they would in the real stub.
+        me = threading.get_ident()
+        with self.state:
+            others = [n for t, n in self._inside.items() if t != me]
+            self._inside[me] = name
+        if others:
+            self.violation(f"{name} made while another thread was in {others[0]}: pb_utils "
+                           "object calls from two threads at once")
+        time.sleep(0)
+        with self.state:
+            self._inside.pop(me, None)
 
     def check_wanted(self, request_id: str) -> None:
         """A sub-request for client requests that were all answered already is one a closed
