@@ -97,7 +97,8 @@ VARIANTS = (
     variant(S.PIPELINE, "pipeline_crash", preprocess_model="fault_preprocess",
             classifier_model="fault_crash", embedder_model="fault_embedder",
             default_deadline_ms="3000"),
-    # 8 sub-request threads per instance: a slow classifier fills them (the degradation test).
+    # A classifier the degradation test makes slow for a while; 8 sub-request threads per
+    # instance bound what it may have out on it (tests/live/test_degradation.py).
     variant(S.PIPELINE, "pipeline_slow", preprocess_model="fault_preprocess",
             classifier_model="fault_slow", embedder_model="fault_embedder",
             default_deadline_ms="1000", subrequest_threads="8"),
