@@ -17,8 +17,9 @@ more. A run reports:
 - ``answering_s``: from the kill to the end of the last failed request of the victim *sent after
   the kill* (0 if none failed): from then on every request to it succeeded;
 - ``in_flight``: the victim's requests in flight at the kill that failed, and when the last was
-  answered (``in_flight_answered_s``; a request the dead stub held after its ``execute`` returned
-  is never answered by r24.10, so it ends at the client's deadline);
+  answered (``in_flight_answered_s``; the orchestrators answer every request before ``execute``
+  returns, and r24.10 fails the requests of an ``execute`` its stub died in, so none should wait
+  for the client's deadline);
 - ``others_failed``: failed requests to the other models (the target is 0);
 - ``server_restarts``: whole-server restarts (the target is 0; the fallback when a reload fails or
   the server died).

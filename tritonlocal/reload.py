@@ -11,10 +11,12 @@ server reports ready (``tritonlocal.liveness``). With the server in explicit mod
   one (``model_lifecycle.cc`` ``ConfigChangeRequiresReload``); any other difference makes Triton
   load a new copy of the model in the background, switch to it when it is ready and retire the
   old one. The old copy's live instances keep answering what they hold.
-* **What is left behind.** Requests the dead stub held after its ``execute`` had returned (answers
-  owed through a response sender) are never answered by r24.10, and their response factories keep
-  the old copy of the model alive; so its dead stub stays a zombie and its live stubs keep
-  running. The reloader *retires* every stub of the old copy: the liveness check no longer counts
+* **What is left behind.** A request a stub still owed an answer after its ``execute`` had
+  returned (through a response sender) would never be answered by r24.10 once the stub died, and
+  its response factory would keep the old copy of the model alive, its dead stub a zombie and
+  its live stubs running. The project's orchestrators owe nothing past ``execute`` (they answer
+  every request before it returns), but any python model may, so the reloader still
+  *retires* every stub of the old copy: the liveness check no longer counts
   them, and a live one is SIGKILLed only once no request it may hold can still be within its
   deadline: the model's ``max_deadline_ms`` (the orchestrators cut every client timeout to it)
   plus ``retire_grace`` seconds after the switch, and only if by then the model serves from
