@@ -27,8 +27,10 @@ def test_a_short_chaos_soak_answers_every_request_once_and_fails_no_innocent(
         supervisor = Supervisor(server, restart_grace=5.0, retire_grace=3.0,
                                 log=lambda line: print(line)).start()
         try:
+            # No ingest measurement (it needs chaos.write_echo_models' models and 10 s): this
+            # test holds the accounting, not the lateness verdict.
             result = asyncio.run(chaos.run(server, supervisor, SECONDS, CONCURRENCY, seed=29,
-                                           kill_every=KILL_EVERY))
+                                           kill_every=KILL_EVERY, ingest_s=0))
         finally:
             supervisor.stop()
     text = chaos.report(result, tmp_path, "test").read_text()
@@ -37,11 +39,12 @@ def test_a_short_chaos_soak_answers_every_request_once_and_fails_no_innocent(
     # Every kind of request was sent and the stub was killed: the run tested something.
     assert set(by_kind) == set(chaos.KINDS), by_kind
     assert len(result.kills) == 1 and result.kills[0].reloaded_s is not None, result.kills
-    # Exactly once: nothing lost, no id answered twice or answered with another's, apart from
-    # the orphans of the kill (r24.10 never answers what a dead stub owed), which are bounded.
+    # Exactly once: nothing lost, no id answered twice or answered with another's, and no orphan
+    # of the kill: the orchestrators owe nothing past execute, and r24.10 fails the requests of
+    # an execute its stub died in.
     assert result.lost == 0, [n for n in result.notable if n["why"] == "lost"]
     assert result.duplicates == 0 and result.mismatches == 0
-    assert result.orphans <= result.orphan_bound, result.kills
+    assert result.orphans == 0, result.kills
     # Innocent requests fail only in flight at the kill, and only on the killed model.
     assert result.innocent_failed == 0, [n for n in result.notable if n["why"] == "innocent failed"]
     assert result.bad_accepted == 0
