@@ -31,7 +31,7 @@ FAULT_MODELS = (
     fault_model("fault_classifier", S.CLASSIFIER),
     fault_model("fault_embedder", S.EMBEDDER),
     fault_model("fault_tagger", S.TAGGER),
-    # One instance, a queue of 2: the third concurrent request is refused ("queue full"). A
+    # One instance, a queue of 2: the fourth concurrent request is refused ("queue full"). A
     # batch of 1: an orchestrator over it runs each request as a group of its own.
     dataclasses.replace(fault_model("fault_queue", S.CLASSIFIER, instances=1,
                                     batching=S.BatchingSpec(preferred_batch_sizes=(),
@@ -92,8 +92,13 @@ VARIANTS = (
             embedder_timeout_ms="400", default_deadline_ms="1500"),
     variant(S.TAG_PIPELINE, "tag_pipeline_faulty", tagger_model="fault_tagger",
             default_deadline_ms="1500"),
-    variant(S.PIPELINE, "pipeline_queue", preprocess_model="fault_preprocess",
-            classifier_model="fault_queue", embedder_model="fault_embedder"),
+    # One request per execute and an instance for each of the queue test's 8 requests: an
+    # instance runs one batch at a time, so only instances send concurrent sub-requests enough
+    # to fill fault_queue, and a refused request, alone in its execute, is answered at once
+    # (tests/live/test_orchestrator.py).
+    dataclasses.replace(variant(S.PIPELINE, "pipeline_queue", preprocess_model="fault_preprocess",
+                                classifier_model="fault_queue", embedder_model="fault_embedder"),
+                        max_batch_size=1, instance_count=8),
     variant(S.PIPELINE, "pipeline_crash", preprocess_model="fault_preprocess",
             classifier_model="fault_crash", embedder_model="fault_embedder",
             default_deadline_ms="3000"),

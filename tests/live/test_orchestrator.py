@@ -56,16 +56,18 @@ def assert_error(outcome, protocol: str, code: str, *fragments: str) -> None:
 
 # -- concurrency ----------------------------------------------------------------------------------
 @pytest.mark.parametrize("protocol", ["http", "grpc"])
-def test_a_slow_request_does_not_hold_up_fifty_others(protocol, server):
-    """Requests stuck 1 s in a slow sub-model; 50 unrelated requests still finish promptly.
+def test_a_slow_request_holds_up_only_its_own_instance(protocol, server):
+    """A request stuck 1 s in a slow sub-model; 50 unrelated requests still finish promptly.
 
-    As many slow requests as the orchestrator has instances: a design that serialises requests
-    per instance (a non-decoupled async execute, or gathering a batch per execute) then has
-    every instance blocked, and the 50 would wait for the slow ones.
+    An instance runs one batch at a time (every answer is given before ``execute`` returns), so
+    the slow request holds its instance for that second; the other instances take the rest.
+    One slow request fewer than the orchestrator has instances: serialised behind it, the 50
+    would wait for it.
     """
     import tritonclient.http as httpclient
 
     instances = S.PIPELINE.instance_count  # pipeline_faulty is a variant of pipeline
+    slow_count = instances - 1
 
     def make_client():
         if protocol == "http":
@@ -73,15 +75,15 @@ def test_a_slow_request_does_not_hold_up_fifty_others(protocol, server):
                                                     network_timeout=60)
         return grpcclient.InferenceServerClient(server.grpc_url)
 
-    pool = concurrent.futures.ThreadPoolExecutor(50 + instances)
-    clients = [make_client() for _ in range(50 + instances)]
+    pool = concurrent.futures.ThreadPoolExecutor(50 + slow_count)
+    clients = [make_client() for _ in range(50 + slow_count)]
     try:
         slow = []
-        for i in range(instances):
+        for i in range(slow_count):
             slow.append(pool.submit(timed_infer, clients[i], protocol, "pipeline_faulty", image(i),
                                     request_id=f"slow-{i};fault_classifier:delay:1000"))
             time.sleep(0.1)  # each slow request is inside the orchestrator before the next
-        others = [pool.submit(timed_infer, clients[instances + i], protocol, "pipeline_faulty",
+        others = [pool.submit(timed_infer, clients[slow_count + i], protocol, "pipeline_faulty",
                               image(i), request_id=f"fast-{i}") for i in range(50)]
         fast = [future.result(timeout=60) for future in others]
         slow_outcomes = [future.result(timeout=60) for future in slow]
@@ -92,18 +94,17 @@ def test_a_slow_request_does_not_hold_up_fifty_others(protocol, server):
     assert all(o.error is None and o.elapsed >= 1.0 for o in slow_outcomes)
     assert all(o.error is None for o in fast), [str(o.error) for o in fast if o.error]
     latencies = sorted(o.elapsed for o in fast)
-    # Serialised behind the slow requests, every one would take 0.8 s or more; p90 leaves room
+    # Serialised behind the slow request, every one would take 0.8 s or more; p90 leaves room
     # for the few a busy host delays.
     assert latencies[44] < 0.8, f"p90 of 50: {latencies[44]:.3f} s (p50 {latencies[25]:.3f} s, " \
                                 f"slowest {latencies[-1]:.3f} s)"
 
 
-def test_answers_returned_from_execute_and_sent_later_mix_in_one_batch(server, grpc_client):
-    """Requests arriving together, some held 400 ms in the classifier (asking for other outputs
-    puts them in a group of their own), the rest not: ``execute`` returns the answers ready
-    within its hold and leaves ``None`` for the slow ones, answered later through their senders
-    (r24.10 accepts both in one batch: python_be.cc). Every request gets its own correct
-    answer."""
+def test_requests_asking_for_different_outputs_each_get_their_own(server, grpc_client):
+    """Requests arriving together, some asking for two of the outputs and holding the
+    classifier 400 ms, the rest for all three: requests of one ``execute`` share a group
+    whatever they ask for (the run function learns which rows asked for what), and each gets
+    exactly its own rows' outputs."""
     expected = {seed: timed_infer(grpc_client, "grpc", "pipeline_faulty", image(seed)).result
                 for seed in range(8)}
     clients = [grpcclient.InferenceServerClient(server.grpc_url) for _ in range(8)]
@@ -125,6 +126,8 @@ def test_answers_returned_from_execute_and_sent_later_mix_in_one_batch(server, g
         for name in ("CLASS_IDS", "EMBEDDING"):
             np.testing.assert_allclose(outcome.result.as_numpy(name),
                                        expected[seed].as_numpy(name), rtol=1e-4, atol=1e-5)
+        # Only what it asked for.
+        assert (outcome.result.as_numpy("CLASS_PROBS") is None) == (seed % 4 == 0), seed
     assert all(outcomes[seed].elapsed >= 0.4 for seed in (0, 4))
     assert timed_infer(grpc_client, "grpc", "pipeline", image(9)).error is None
 
@@ -248,9 +251,9 @@ def test_one_bad_request_fails_alone(server):
 
 
 def test_a_full_sub_model_queue_is_unavailable(server):
-    """fault_queue has one instance, room for 2 queued requests and a batch of 1, so each
-    request of the burst is a group of its own even when Triton hands them to one ``execute``:
-    7 requests, 7 sub-requests."""
+    """fault_queue has one instance and room for 2 queued requests; pipeline_queue takes one
+    request per ``execute`` and has an instance for each request here, so the burst's 7
+    requests send 7 sub-requests at once while the first request holds fault_queue for 1 s."""
     pool = concurrent.futures.ThreadPoolExecutor(8)
     clients = [grpcclient.InferenceServerClient(server.grpc_url) for _ in range(8)]
     try:
