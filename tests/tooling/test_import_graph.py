@@ -8,6 +8,14 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("bls_models", "tritonlocal", "modelgen", "bench", "tests")
+# bls_models' runtime (docs/orchestrator.md): triton_runtime wires the others, backend is the one
+# boundary to pb_utils, and drive, group, isolation and metrics run without either.
+RUNTIME = {f"bls_models.{name}" for name in ("triton_runtime", "backend", "drive", "group",
+                                             "isolation", "metrics")}
+# What pipelines are written against and configs are rendered from: no runtime but drive
+# (pipelines' gather_all is drive's).
+CONTRACT = {f"bls_models.{name}" for name in ("spec", "definition", "pipelines", "cascade",
+                                              "params", "repository", "errors")}
 
 
 def module_files(root: Path = ROOT) -> dict[str, Path]:
@@ -96,3 +104,17 @@ def test_the_check_finds_a_circle_through_an_import_inside_a_function(tmp_path):
     graph = {name: imports_of(name, path, modules) for name, path in modules.items()}
     assert circles(graph) == [["bench.a", "bench.b"]]
     assert graph["bench.c"] == {"bench.a"}
+
+
+def test_the_runtime_is_wired_by_triton_runtime_and_reaches_triton_through_backend():
+    modules = module_files()
+    assert {name for name in modules if name.startswith("bls_models.")} == RUNTIME | CONTRACT
+    graph = {name: imports_of(name, path, modules) for name, path in modules.items()}
+    assert RUNTIME - {"bls_models.triton_runtime"} <= graph["bls_models.triton_runtime"]
+    within = {name: graph[name] & (RUNTIME | CONTRACT) for name in RUNTIME | CONTRACT}
+    assert {name for name, imported in within.items() if "bls_models.backend" in imported} == \
+        {"bls_models.triton_runtime"}
+    for name in RUNTIME - {"bls_models.triton_runtime", "bls_models.backend"}:
+        assert within[name] <= {"bls_models.drive", "bls_models.errors"}, (name, within[name])
+    for name in CONTRACT:
+        assert within[name] & RUNTIME <= {"bls_models.drive"}, (name, within[name])
