@@ -1,14 +1,9 @@
 """The python backend's API (``triton_python_backend_utils``, r24.10): the only module that calls
-it, and the place its lock rules live.
-
-* Objects that wrap backend memory (a request and its tensors, ``Tensor``, ``InferenceRequest``,
-  ``InferenceResponse``, ``TritonError``) are created, read and destroyed under ``lock``: stubs
-  crashed under bursts when several threads used pb_utils at once (``free(): invalid size``).
-* Round trips to the server hold no lock: ``exec``, ``send``, ``is_cancelled`` and metric
-  increments (holding it serialised every thread behind one IPC).
-* One ``TritonError`` per response: a shared one corrupted memory in r24.10.
-* Once ``finalized`` is set (under the lock, as ``finalize`` ends) nothing calls pb_utils, not
-  even a destructor: what a late thread holds is kept until the process exits.
+it, and the place its rules live. Objects that wrap backend memory (requests and their tensors,
+``Tensor``, ``InferenceRequest``, ``InferenceResponse``, ``TritonError``) are made, read and
+freed under ``lock`` (stubs crashed when threads used them at once); round trips to the server
+(``exec``, ``send``, ``is_cancelled``, metric increments) hold no lock; one ``TritonError`` per
+response; once ``finalized``, nothing calls pb_utils, not even a destructor.
 """
 
 from __future__ import annotations
@@ -18,9 +13,7 @@ import threading
 
 import numpy as np
 
-# Backend objects a thread got back after finalize: never destroyed by this runtime (destroying
-# them is a pb_utils call); the stub process exits after finalize.
-_LEFT_AT_SHUTDOWN: list = []
+_LEFT_AT_SHUTDOWN: list = []  # backend objects got back after finalize: kept until the exit
 
 
 class Finalized(RuntimeError):
@@ -33,11 +26,9 @@ class NotSent(RuntimeError):
 
 
 def owns_memory(array: np.ndarray) -> bool:
-    """Whether ``array``'s memory was allocated by numpy (for it or an array it views), not
-    borrowed from a foreign buffer such as shared memory. The r24.10 stub builds a CPU tensor's
-    array with ``py::array(dtype, dims, ptr)`` and no base, which pybind11 answers with a copy
-    (``pb_tensor.cc``): inputs and sub-response outputs already are the stub's own memory, and
-    a build that handed out views would get a copy here."""
+    """Whether numpy allocated ``array``'s memory (for it or an array it views), rather than
+    borrowing a foreign buffer such as shared memory (r24.10 hands out copies: docs/orchestrator.md,
+    "Lifetime")."""
     while isinstance(array, np.ndarray) and not array.flags.owndata:
         array = array.base
     return isinstance(array, np.ndarray)
@@ -48,8 +39,7 @@ def own(array: np.ndarray) -> np.ndarray:
 
 
 class DeviceTensor:
-    """A stage output kept in the sub-model's GPU memory (``gpu_tensors: "on"``): a
-    ``pb_utils.Tensor`` made with ``from_dlpack``. Pipelines only pass it to the next stage."""
+    """A stage output kept in GPU memory (``gpu_tensors``), passed on to the next stage."""
 
     __slots__ = ("tensor",)
 
@@ -60,8 +50,7 @@ class DeviceTensor:
 class Backend:
     def __init__(self, pb_utils, model: str) -> None:
         self.pb, self.model = pb_utils, model
-        # Re-entrant: logging (a pb_utils call) takes it too, also from code that holds it.
-        self.lock = threading.RLock()
+        self.lock = threading.RLock()  # logging takes it too, also from code that holds it
         self.finalized = threading.Event()
         self._cpu = None
 
@@ -99,10 +88,9 @@ class Backend:
                 output_tensors=[pb.Tensor(name, array) for name, array in arrays])
 
     def send(self, request, arrays=None, message: str = "", code: str = "") -> None:
-        """A response built as ``response`` builds it, sent through ``request``'s sender, final
-        (a round trip; no lock), then dropped under the lock. Raises ``NotSent`` when it fails
-        before the sender is used; r24.10 closes the sender before the response crosses, so a
-        ``send`` that raises (anything else) cannot be retried."""
+        """A response (as ``response`` builds it) through ``request``'s sender, final. Raises
+        ``NotSent`` if it failed before the sender was used; a ``send`` that raises has closed
+        the sender (r24.10): no retry."""
         response = sender = None
         try:
             try:
@@ -128,12 +116,10 @@ class Backend:
     # -- sub-requests (any thread) ----------------------------------------------------------
     def infer(self, model: str, inputs: dict, outputs: list[str], request_id: str, gate,
               keep: frozenset = frozenset(), reduce=None):
-        """One sub-request: ``(outputs, None)`` or ``(None, the error response's message)``.
-        ``gate()``, called under the lock just before the request is made, returns its timeout
-        (µs) or raises to send nothing. CPU outputs are the stub's own arrays (or ``reduce`` of
-        them, computed while the response is alive); an output named in ``keep`` that arrives
-        in GPU memory stays there as a ``DeviceTensor``. Raises on this runtime's own failure
-        (``Finalized`` if the model was finalized meanwhile)."""
+        """One sub-request: ``(outputs, None)`` or ``(None, its error message)``. ``gate()``,
+        called under the lock as the request is made, returns its timeout (µs) or raises to
+        send nothing. Outputs are the stub's own arrays (or ``reduce`` of them, while the
+        response lives); one named in ``keep`` that arrives on a GPU stays a ``DeviceTensor``."""
         pb = self.pb
         request = response = tensor = None
         try:
@@ -194,8 +180,7 @@ class Backend:
         metric.increment(value)  # a round trip; no lock
 
     def clear(self, *collections) -> None:
-        """Empty containers of backend objects, in order, under the lock (metrics go before
-        their families: a python backend rule)."""
+        """Empty containers of backend objects, in order, under the lock."""
         with self.lock:
             for collection in collections:
                 if self.finalized.is_set():

@@ -71,7 +71,7 @@ class Batch:
         self._latch.acquire(timeout=max(0.0, seconds))
 
     def settled(self) -> bool:
-        """(under the lock) Every request has an outcome."""
+        """Every request has an outcome."""
         for job in self.jobs:
             if job.outcome is None:
                 return False

@@ -27,6 +27,7 @@ from __future__ import annotations
 import bisect
 import math
 import threading
+import traceback
 
 from bls_models.errors import Code, Kind
 
@@ -153,6 +154,7 @@ class Metrics:
         self._observed: dict[tuple, _Observations] = {}  # histograms, not yet published
         self._unsent: dict[tuple, float] = {}  # series increments a failed flush did not publish
         self._watched: dict[tuple, list] = {}  # gauges read when published: [read, published]
+        self._due, self._failing = (0.0, 0.0), False  # next flush, next with histograms
         for family, labels in known_series(stages):
             if FAMILIES[family][0] == "HISTOGRAM":
                 for bound in bounds(family):
@@ -249,6 +251,26 @@ class Metrics:
                 raise
             calls += 1
         return calls
+
+    def publish(self, now: float, log) -> None:
+        """(the runtime's clock) ``flush`` when due: counters and gauges every FLUSH_SECONDS,
+        histograms every HISTOGRAM_FLUSH_SECONDS; a failure is logged when it starts, and what
+        was not published goes with the next flush."""
+        if now < self._due[0]:
+            return
+        histograms = now >= self._due[1]
+        try:
+            self.flush(histograms=histograms)
+            if self._failing:
+                self._failing = False
+                log("publishing metrics works again")
+        except Exception:  # noqa: BLE001 - logged when it starts failing, not every time
+            if not self._failing:
+                self._failing = True
+                log(f"publishing metrics failed (retried every {FLUSH_SECONDS} s):\n"
+                    f"{traceback.format_exc()}", error=True)
+        self._due = (now + FLUSH_SECONDS,
+                     now + HISTOGRAM_FLUSH_SECONDS if histograms else self._due[1])
 
     def close(self) -> None:
         """Publish what is pending; then metrics must go before their families (python backend

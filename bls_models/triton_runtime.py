@@ -1,22 +1,19 @@
 """Runs a pipeline inside a Triton python-backend model: ``execute``, its groups, shutdown.
 
-``execute`` is the plainest per-batch BLS: it reads and checks each request, stacks the batch
-into groups and runs the first on its own thread (``drive``: one blocking sub-request per
-``call``, a gathered branch on the pool), any other on a pool thread, then returns every answer.
-Beside it one thread per instance, the clock, keeps time and publishes the metrics. The runtime
-keeps four invariants, which the unit tests' fake ``pb_utils`` checks after every test:
+``execute`` is the plainest per-batch BLS: it checks each request, stacks the batch into groups,
+runs the first on its own thread (``drive``) and any other on the pool, and returns every
+answer. Beside it one thread, the clock, keeps time and publishes the metrics. Four invariants,
+checked by the unit tests' fake ``pb_utils`` after every test:
 
 1. Every request that reaches ``execute`` has exactly one final answer before ``execute``
-   returns, whatever raises: returned in its list, or sent through its response sender by the
-   clock while the batch still runs. Nothing is owed after ``execute`` returns, so nothing is
-   lost when a stub dies (r24.10 answers the requests of an ``execute`` it loses).
-2. No answer leaves after its deadline (+ the slack of docs/reliability.md): the clock sends each
-   one still waiting when its deadline, or its stage's timeout, passes.
-3. A group holds the threads it runs on until nothing of it is out, and once every member has
-   an answer it sends nothing more (``Abandoned``). A group finding no free thread is refused.
-4. A request is charged only for its own rows: it gets its rows' outputs or its own error. A
-   failure one row may cause is isolated (``isolation.bisect``); one no row causes (a deadline,
-   a full queue) is retryable UNAVAILABLE, never another request's error.
+   returns, whatever raises: in its list, or sent by the clock while the batch runs. Nothing is
+   owed past ``execute``, so nothing is lost when a stub dies.
+2. No answer leaves after its deadline (+ the documented slack): the clock sends each one still
+   waiting when its deadline, or its stage's timeout, passes.
+3. A group holds its threads until nothing of it is out, and once every member is answered it
+   sends nothing more (``Abandoned``). A group finding no free thread is refused.
+4. A request is charged only for its own rows: its rows' outputs or its own error. A failure
+   one row may cause is isolated; one no row causes is retryable, never another's error.
 
 docs/orchestrator.md follows one request through it.
 """
@@ -47,7 +44,7 @@ from bls_models.errors import (
 )
 from bls_models.group import Batch, Group, Job, form
 from bls_models.isolation import Memo, bisect, pad, row_caused
-from bls_models.metrics import FLUSH_SECONDS, HISTOGRAM_FLUSH_SECONDS, REQUEST_CODES, Metrics
+from bls_models.metrics import REQUEST_CODES, Metrics
 
 _NUMPY = {name: np.dtype(dtype) for name, dtype in S.DTYPES.items()}
 CANCEL_CHECK_SECONDS = 0.1      # a batch this old asks its clients whether they left, this often
@@ -84,14 +81,9 @@ class Orchestrator:
         self.metrics.watch("bls_inflight_requests", lambda: self.inflight)
         self.metrics.watch("bls_inflight_subrequests", self.out.__len__)
         self.stopping = False
-        self.log(f"orchestrating '{self.definition.name}': " + ", ".join(
-            f"{s.name} -> {s.model} (as {plan.contracts[s.name].name})"
-            + (f" (timeout {s.timeout_ms} ms)" if s.timeout_ms else "")
-            for s in self.config.stages.values())
-            + f"; default deadline {self.config.default_deadline_ms} ms, groups of up to "
-            f"{self.group_rows} rows, {self.config.subrequest_threads} sub-request threads"
-            + "".join(f", {name} {value}" for name, value in self.config.options.items())
-            + (f"; kept on the GPU: {sorted(self.keep)}" if self.config.gpu_tensors else ""))
+        self.log(f"orchestrating '{self.definition.name}': {self.config}; contracts "
+                 f"{ {stage: c.name for stage, c in plan.contracts.items()} }; groups of up to "
+                 f"{self.group_rows} rows; kept on the GPU: {self.keep}")
         # Last: every pb_utils call of initialize is made before a second thread exists.
         self.pool = Pool(self.config.subrequest_threads, f"{self.model}-worker", self.log)
         self._batches: set[Batch] = set()  # what the clock watches
@@ -126,10 +118,7 @@ class Orchestrator:
                             Code.UNAVAILABLE, f"orchestrator '{self.model}': all "
                             f"{self.pool.size} sub-request threads are busy: retry"))
                 self._run(batch.groups[0])  # on this thread: the plainest BLS
-                while True:  # the other groups, on the pool, or the clock's deadlines
-                    with batch.lock:
-                        if batch.settled():
-                            break
+                while not batch.settled():  # the other groups (pool), or the clock
                     batch.sleep(1.0)
         except BaseException:  # noqa: BLE001 - execute must not raise (python_be.cc deletes every factory)
             self.log(f"execute failed:\n{traceback.format_exc()}", error=True)
@@ -187,16 +176,15 @@ class Orchestrator:
 
     # -- the clock (a thread of its own) ------------------------------------------------------
     def _watch(self, batch: Batch) -> None:
-        """The clock keeps ``batch``'s time from now on (woken only if it must act before its
-        next tick)."""
+        """The clock keeps ``batch``'s time (woken if it must act before its next tick)."""
         with self._clock_lock:
             self._batches.add(batch)
             if min(job.end for job in batch.jobs) < self._tick_at:
                 self._clock_wake()
 
     def _unwatch(self, batch: Batch) -> None:
-        """``execute`` answers the rest: the clock answers no more of ``batch``, and is done
-        with what it was answering (its requests are released when ``execute`` returns)."""
+        """``execute`` answers the rest: the clock answers no more of ``batch`` and is done with
+        what it was answering (its requests are released when ``execute`` returns)."""
         with batch.lock:
             batch.closing = True
             busy = batch.busy
@@ -214,11 +202,8 @@ class Orchestrator:
             pass
 
     def _keep_time(self) -> None:
-        """The clock: every CLOCK_TICK_SECONDS, or sooner when a watched batch needs it, keep
-        each batch's time (``_keep``); publish the metrics every FLUSH_SECONDS (histograms
-        every HISTOGRAM_FLUSH_SECONDS). Until finalize."""
-        flush_due = histograms_due = time.monotonic()
-        failing = False
+        """The clock, until finalize: every CLOCK_TICK_SECONDS, or sooner when a watched batch
+        needs it, keep each batch's time (``_keep``); publish the metrics when due."""
         while not self._stop.is_set():
             now = time.monotonic()
             wake = now + CLOCK_TICK_SECONDS
@@ -227,21 +212,7 @@ class Orchestrator:
                     wake = min(wake, self._keep(batch, now))
                 except Exception:  # noqa: BLE001 - logged; the clock goes on
                     self.log(f"keeping time failed:\n{traceback.format_exc()}", error=True)
-            if now >= flush_due:
-                histograms = now >= histograms_due
-                try:
-                    self.metrics.flush(histograms=histograms)
-                    if failing:
-                        failing = False
-                        self.log("publishing metrics works again")
-                except Exception:  # noqa: BLE001 - logged when it starts failing, not every time
-                    if not failing:
-                        failing = True
-                        self.log(f"publishing metrics failed (retried every {FLUSH_SECONDS} "
-                                 f"s):\n{traceback.format_exc()}", error=True)
-                flush_due = now + FLUSH_SECONDS
-                if histograms:
-                    histograms_due = now + HISTOGRAM_FLUSH_SECONDS
+            self.metrics.publish(now, self.log)
             self._tick_at = wake
             self._clock_latch.acquire(timeout=max(0.0, wake - time.monotonic()))
 
@@ -284,7 +255,13 @@ class Orchestrator:
 
     def _ask(self, batch: Batch, jobs: list[Job]) -> None:
         """Answer CANCELLED those of ``jobs`` whose client left (each an IPC round trip)."""
-        left = [job for job in jobs if self._cancelled(job)]
+        left = []
+        for job in jobs:
+            try:
+                if self.backend.is_cancelled(job.request):
+                    left.append(job)
+            except Exception:  # noqa: BLE001 - it goes on; its answer says how it ends
+                self.log(f"is_cancelled() failed:\n{traceback.format_exc()}", error=True)
         cancelled = []
         with batch.lock:
             for job in left:
@@ -330,14 +307,6 @@ class Orchestrator:
                     (self.metrics.key("bls_subrequest_errors_total", stage=stage,
                                       kind=Kind.DEADLINE.value), 1)))
 
-    def _cancelled(self, job: Job) -> bool:
-        try:
-            return self.backend.is_cancelled(job.request)
-        except Exception:  # noqa: BLE001 - the request goes on; its answer says how it ends
-            self.log(f"is_cancelled() failed for '{job.request_id}':\n{traceback.format_exc()}",
-                     error=True)
-            return False
-
     # -- answers (execute's thread) -----------------------------------------------------------
     def _content(self, job: Job) -> tuple[str, dict]:
         """(code, what ``Backend.response`` builds) for ``job``'s outcome; INTERNAL when its
@@ -360,8 +329,7 @@ class Orchestrator:
         return outcome.code.value, {"message": outcome.message, "code": outcome.code.value}
 
     def _send(self, job: Job) -> None:
-        """Answer ``job`` (claimed: ``answered``) now, through its response sender. Never
-        raises."""
+        """Answer ``job`` (claimed) now, through its response sender. Never raises."""
         code, content = self._content(job)
         try:
             self.backend.send(job.request, **content)
@@ -467,9 +435,8 @@ class Orchestrator:
                lambda member, outcome: self._settle(group, outcome, [member]))
 
     def _settle(self, group: Group, outcome, members=None) -> None:
-        """Give ``members`` (all of ``group``'s) without an outcome ``outcome``. An error is kept
-        without its traceback, whose frames hold the sub-requests' arrays (megabytes each) in
-        reference cycles only the garbage collector breaks, late."""
+        """Give ``members`` (all of ``group``'s) without an outcome ``outcome``; an error
+        without its traceback, whose frames hold the sub-requests' arrays."""
         if not isinstance(outcome, (dict, PipelineError)):
             outcome = internal_error(self.model)  # a bug: logged where it was caught
         elif isinstance(outcome, PipelineError):
@@ -534,7 +501,7 @@ class Orchestrator:
 
     def _admit(self, group: Group, stage: str, token: object) -> int:
         """(under the backend's lock, as a sub-request is made) Whether it is still wanted, and
-        its time (µs): the latest live member's, capped by the stage's timeout."""
+        its time (µs): the latest live member's, capped by its stage's timeout."""
         cap = self.config.stages[stage].timeout_ms / 1e3
         with group.lock:
             last = group.latest()
@@ -559,11 +526,11 @@ class Orchestrator:
     def _failure(self, group: Group, stage: str, message: str, rows: int) -> PipelineError:
         model = self.config.stage(stage).model
         failure = sub_request_failed(stage, model, message)
-        # Whether it may have shared a sub-model batch with other requests' rows.
+        # It may have shared a sub-model batch with other requests' rows.
         failure.shared = (not group.pad and stage in self.batching
                           and rows < self.setup.max_rows[stage])
         if failure.kind is not Kind.INVALID and group.stage_failure is None:
-            # Kept apart from the one raised, whose traceback will hold the group.
+            # Apart from the one raised, whose traceback will hold the group.
             group.stage_failure = sub_request_failed(stage, model, message)
         self.metrics.increment("bls_subrequest_errors_total", stage=stage,
                                kind=failure.kind.value)
@@ -571,9 +538,9 @@ class Orchestrator:
 
     # -- counts, metrics, shutdown ------------------------------------------------------------
     def close(self) -> None:
-        """``finalize``: r24.10 refuses sub-requests from now on, so none is sent; wait
-        (bounded) for executes still running and the sub-requests out, stop the threads,
-        publish the metrics. No pb_utils call happens after it returns. Never raises."""
+        """``finalize``: send no more sub-requests (r24.10 refuses them); wait (bounded) for
+        what runs and what is out, stop the threads, publish the metrics. No pb_utils call
+        follows. Never raises."""
         try:
             self.stopping = True
             give_up = time.monotonic() + SHUTDOWN_DRAIN_SECONDS
@@ -599,8 +566,7 @@ class Orchestrator:
 
 def python_model(pipeline: PipelineDef | str) -> type:
     """The ``TritonPythonModel`` class of an orchestrator running ``pipeline`` (a definition, or
-    the name of a registered one). A model.py is then one line: ``TritonPythonModel =
-    python_model(...)``."""
+    a registered one's name): a model.py is ``TritonPythonModel = python_model(...)``."""
     name = pipeline if isinstance(pipeline, str) else pipeline.name
 
     class TritonPythonModel:
