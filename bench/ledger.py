@@ -202,13 +202,48 @@ def measure(rows: int, rounds: int, batches: int) -> dict[str, list[float]]:
     return out
 
 
+def mutations(out: Path) -> list[str]:
+    """Each mechanism of bench/mutations.py turned off, its named tests run: whether they fail
+    (they must). Writes ledger-mutations.json; returns the report's lines."""
+    import os
+    import subprocess
+
+    from bench.mutations import MUTATIONS
+
+    root = Path(__file__).resolve().parents[1]
+    lines = ["", "Each mechanism turned off (`bench/mutations.py`), the tests the ledger names "
+                 "run alone (`-p bench.mutations`):", "",
+             "| mechanism turned off | tests | without it |", "|---|---|---|"]
+    found = {}
+    for name, (what, tests, _) in MUTATIONS.items():
+        run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:randomly",
+                              "-p", "bench.mutations", "-x", *tests], cwd=root,
+                             env={**os.environ, "BLS_MUTATION": name},
+                             capture_output=True, text=True)
+        failed = run.returncode != 0
+        found[name] = {"what": what, "tests": tests, "failed": failed,
+                       "tail": run.stdout.strip().splitlines()[-1:]}
+        lines.append(f"| {what} (`{name}`) | " + ", ".join(f"`{t}`" for t in tests)
+                     + f" | {'fails' if failed else '**passes**'} |")
+        print(lines[-1], flush=True)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "ledger-mutations.json").write_text(json.dumps(found, indent=1) + "\n")
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.ledger",
                                      description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=ROUNDS)
     parser.add_argument("--batches", type=int, default=BATCHES)
+    parser.add_argument("--mutations", action="store_true",
+                        help="only check that each mechanism's named tests fail without it")
     output_arguments(parser, "unused")
     args = parser.parse_args(argv)
+    if args.mutations:
+        lines = mutations(args.out)
+        (args.out / "ledger-mutations.md").write_text("\n".join(lines) + "\n")
+        return 0
     command = "python -m bench.ledger " + " ".join(argv if argv is not None else sys.argv[1:])
     results = {}
     lines = ["# What each runtime mechanism costs a normal request", "",

@@ -49,8 +49,8 @@ from bls_models.metrics import REQUEST_CODES, Metrics
 _NUMPY = {name: np.dtype(dtype) for name, dtype in S.DTYPES.items()}
 CANCEL_CHECK_SECONDS = 0.1      # a batch this old asks its clients whether they left, this often
 CLOCK_TICK_SECONDS = 0.1        # the clock acts at least this often (sooner when it must)
-SHUTDOWN_DRAIN_SECONDS = 10.0   # finalize waits this long for executes and sub-requests out
-SHUTDOWN_THREADS_SECONDS = 1.0  # then for the threads (one may be stuck in a sub-model)
+SHUTDOWN_DRAIN_SECONDS = 10.0   # finalize waits this long for what runs and what is out
+SHUTDOWN_THREADS_SECONDS = 1.0  # then for the clock
 
 
 def shutting_down(model: str) -> PipelineError:
@@ -544,12 +544,13 @@ class Orchestrator:
         try:
             self.stopping = True
             give_up = time.monotonic() + SHUTDOWN_DRAIN_SECONDS
-            while (self.executing or self.out) and time.monotonic() < give_up:
+            while self.executing and time.monotonic() < give_up:  # one running still (tests)
                 time.sleep(0.02)
+            # The pool's threads hold what is out: wait for them, with the clock still on.
+            stuck = self.pool.shutdown(max(0.0, give_up - time.monotonic()))
             self._stop.set()
             self._clock_wake()
             self._clock.join(SHUTDOWN_THREADS_SECONDS)
-            stuck = self.pool.shutdown(SHUTDOWN_THREADS_SECONDS)
             if stuck:
                 self.log(f"{stuck} thread(s) still wait on a sub-model at shutdown: left to "
                          "the process's exit; they make no pb_utils call", error=True)

@@ -118,6 +118,27 @@ def test_a_cancelled_request_stops_before_its_next_stage_and_is_counted_once(mad
     assert pb.metric("bls_requests_total", code="CANCELLED") == 1
 
 
+def test_a_group_answered_between_two_calls_sends_nothing_more(made):
+    """The deadline passes while the run function computes between preprocess and the
+    classifier: the request is answered then, and its group makes no further sub-request (the
+    fake reports one made for requests all answered already)."""
+    pb = FakePbUtils(sub_models())
+    made.append(orch := orchestrator(pb))
+    pipeline = orch.run
+
+    async def slow_between(inputs, call, setup):
+        pixels = await call("preprocess", {"IMAGE": inputs["IMAGE"]}, ["PIXELS"])
+        time.sleep(0.3)  # computing, no sub-request out
+        await call("classifier", pixels, ["LOGITS"])
+        return await pipeline(inputs, call, setup)
+
+    orch.run = slow_between
+    request = Request(image_inputs(), request_id="between", timeout_us=100_000)
+    pb.execute(orch, [request])
+    assert "deadline exceeded" in request.answer.error().message()
+    assert [s.model for s in pb.sent] == ["preprocess"]
+
+
 def test_a_batch_shorter_than_the_check_never_asks_about_cancellation(made):
     pb = FakePbUtils(sub_models())
     made.append(orch := orchestrator(pb))
