@@ -39,8 +39,8 @@ BLS_PROFILE      ?= gpu
 GPUS             ?= all
 # /dev/shm (docker run --shm-size), by the rule of docs/operations.md ("Shared memory";
 # `python -m tritonlocal.shm REPO...` computes it): the server needs 128 MiB at start (1g leaves
-# room to grow; 2300m with the logits tagger), the test container, which also serves the test-only
-# models, 6.8 GiB. tests/tooling/test_container.py checks both against the rule.
+# room to grow; 2g with the logits tagger), the test container, which also serves the test-only
+# models, 6.2 GiB. tests/tooling/test_container.py checks both against the rule.
 SHM_SIZE         ?= 1g
 TEST_SHM_SIZE    ?= 8g
 PUBLISH_HOST     ?= 127.0.0.1

@@ -142,9 +142,13 @@ class Metrics:
     changed series) with no lock held. A publication that fails keeps what it could not publish
     for the next flush: nothing is lost, and what is kept is bounded by the number of series."""
 
-    def __init__(self, backend, model: str, stages=()) -> None:
+    def __init__(self, backend, model: str, stages=(), stub: str = "") -> None:
         self._backend = backend
-        self._model = model
+        # Every series also names its stub (``stub_pid``), so no two stubs share one: r24.10
+        # frees a series when one of the MetricFamily objects that made it lets it go, and a
+        # stub still counting on it corrupts the server's heap (seen at every stop with two
+        # instances: "malloc_consolidate(): unaligned fastbin chunk detected", Signal 6).
+        self._labels = {"model": model, **({"stub_pid": stub} if stub else {})}
         self._families = {
             name: backend.metric_family(name, FAMILIES[family][1], kind)
             for family in FAMILIES for name, kind in exposed(family)}
@@ -170,7 +174,7 @@ class Metrics:
         if metric is None:
             name, *labels = key
             metric = self._metrics[key] = self._backend.metric(
-                self._families[name], {"model": self._model, **dict(labels)})
+                self._families[name], {**self._labels, **dict(labels)})
         return metric
 
     @staticmethod

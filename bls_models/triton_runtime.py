@@ -1,8 +1,10 @@
 """Runs a pipeline inside a Triton python-backend model: ``execute``, its groups, shutdown.
 
-``execute`` is the plainest per-batch BLS: it checks each request, stacks the batch into groups,
-runs the first on its own thread (``drive``) and any other on the pool, and returns every
-answer. Beside it one thread, the clock, keeps time and publishes the metrics. Four invariants,
+``execute`` is the plainest per-batch BLS with its time kept: it checks each request, stacks
+the batch into groups, runs them on the pool (``drive``), and returns as soon as every request
+has its answer, even if a sub-request given up on at a deadline is still out: an instance is
+never held by a slow sub-model past its requests' deadlines. Beside it one thread, the clock,
+keeps time and publishes the metrics. Four invariants,
 checked by the unit tests' fake ``pb_utils`` after every test:
 
 1. Every request that reaches ``execute`` has exactly one final answer before ``execute``
@@ -20,6 +22,7 @@ docs/orchestrator.md follows one request through it.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 import traceback
@@ -69,7 +72,8 @@ class Orchestrator:
         self.first_stage, self.group_rows = plan.first_stage, plan.group_rows
         self.output_dtypes = {name: _NUMPY[kind] for name, kind in plan.output_types.items()}
         self.log = self.backend.log
-        self.metrics = Metrics(self.backend, self.model, stages=list(self.config.stages))
+        self.metrics = Metrics(self.backend, self.model, list(self.config.stages),
+                               stub=str(os.getpid()))
         key = self.metrics.key
         self._codes = {code: key("bls_requests_total", code=code) for code in REQUEST_CODES}
         self._latency = key("bls_request_latency_seconds")
@@ -112,13 +116,12 @@ class Orchestrator:
                 for group in batch.groups:
                     group.batch, group.lock, group.started = batch, batch.lock, arrived
                 self._watch(batch)
-                for group in batch.groups[1:]:
+                for group in batch.groups:  # on the pool: this thread answers by deadlines
                     if not self.pool.offer(self._run, group):
                         self._settle(group, PipelineError(
                             Code.UNAVAILABLE, f"orchestrator '{self.model}': all "
                             f"{self.pool.size} sub-request threads are busy: retry"))
-                self._run(batch.groups[0])  # on this thread: the plainest BLS
-                while not batch.settled():  # the other groups (pool), or the clock
+                while not batch.settled():  # its groups, or the clock at a deadline
                     batch.sleep(1.0)
         except BaseException:  # noqa: BLE001 - execute must not raise (python_be.cc deletes every factory)
             self.log(f"execute failed:\n{traceback.format_exc()}", error=True)

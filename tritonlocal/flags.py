@@ -32,8 +32,8 @@ SHM_GROWTH_BYTES = 16 * MIB
 # The python backend's per-instance pool of server-side threads (undocumented, default 32). Each
 # BLS call in flight holds one until the sub-model answers, and each response a stub sends needs
 # one: it must exceed what an orchestrator instance has out at once, its ``subrequest_threads``
-# (16 for `pipeline`) plus ``execute``'s own thread, or the answers its clock sends at their
-# deadlines wait behind calls to a slow model (docs/reliability.md).
+# (16 for `pipeline`), or the answers its clock sends at their deadlines wait behind calls to a
+# slow model (docs/reliability.md).
 # tests/tooling/test_configs.py checks.
 PYTHON_THREAD_POOL = 96
 CONTAINER_REPOSITORY = "/opt/bls/model_repository"

@@ -14,9 +14,8 @@ logits per sequence, not the 602 KB of PIXELS per image (measured: no growth pas
 stub's growth is what it can hold at once, rounded up to whole growth steps:
 
 * an orchestrator (a python model with a ``subrequest_threads`` parameter): one sub-response per
-  sub-request thread and one on ``execute``'s own thread (which runs a batch's first group), each
-  with up to its stage model's ``max_batch_size`` rows of that model's large outputs (the stage
-  models are the ``*_model`` parameters);
+  sub-request thread, each with up to its stage model's ``max_batch_size`` rows of that model's
+  large outputs (the stage models are the ``*_model`` parameters);
 * any other python model: one batch (``max_batch_size`` rows) of its own large outputs.
 
 ``python -m tritonlocal.shm REPOSITORY...`` prints the budget.
@@ -72,7 +71,7 @@ def stub_growth(config, models: dict) -> int:
         stage_models = [models[v] for k, v in parameters.items()
                         if k.endswith("_model") and v in models]
         per_response = max((large_batch_bytes(m) for m in stage_models), default=0)
-        return (int(parameters["subrequest_threads"]) + 1) * per_response
+        return int(parameters["subrequest_threads"]) * per_response
     return large_batch_bytes(config)
 
 

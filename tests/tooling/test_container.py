@@ -731,9 +731,9 @@ def test_an_orchestrator_over_the_logits_tagger_grows_by_its_threads_times_a_ful
         (tmp_path / spec.name).mkdir()
         (tmp_path / spec.name / "config.pbtxt").write_text(configs.render(spec))
     result = shm.budget([tmp_path])
-    # The pool's threads and execute's own each hold a full batch of logits: 9 x 115 MB.
-    threads = int(logits.parameters["subrequest_threads"]) + 1
-    held = threads * S.TAGGER.max_batch_size * S.TAGGER_SEQ_LEN * S.TAGGER_VOCAB * 4  # 1 035 MB
+    # Each of the pool's threads holds a full batch of logits: 8 x 115 MB.
+    threads = int(logits.parameters["subrequest_threads"])
+    held = threads * S.TAGGER.max_batch_size * S.TAGGER_SEQ_LEN * S.TAGGER_VOCAB * 4  # 920 MB
     step = flags.SHM_GROWTH_BYTES
     assert result.growing == {"tag_logits": -(-held // step) * step}  # tag_pipeline: tagger_tags
     assert result.stubs == 2 * S.TAG_PIPELINE.instance_count

@@ -5,6 +5,7 @@ the fake checks the runtime's invariants (tests/unit/conftest.py)."""
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -326,12 +327,11 @@ def test_a_send_that_raises_is_counted_and_execute_goes_on(made):
 
 
 def test_the_pool_bounds_what_is_out_and_refuses_what_it_cannot_run(made):
-    """A batch of three groups (10 rows each) and one pool thread: the first group runs on
-    execute's thread, the second on the pool's, and the third, finding no thread free, is
-    answered UNAVAILABLE at once (retryable); branches that find none run inline. No more
-    sub-requests are ever out than threads + 1."""
+    """A batch of three groups (10 rows each) and two pool threads: two groups run, the third,
+    finding no thread free, is answered UNAVAILABLE at once (retryable); branches that find
+    none run inline. No more sub-requests are ever out than threads."""
     pb = rows_models()
-    made.append(orch := orchestrator(pb, subrequest_threads="1"))
+    made.append(orch := orchestrator(pb, subrequest_threads="2"))
     requests = [Request(image_of(v, 10), request_id=f"g{v};classifier=100") for v in (1, 2, 3)]
     started = time.monotonic()
     pb.execute(orch, requests)
@@ -380,9 +380,11 @@ def test_no_lock_is_held_across_a_round_trip_to_the_server(made):
 def test_every_known_series_exists_at_zero_before_any_request(made):
     pb = FakePbUtils(sub_models())
     made.append(orchestrator(pb))
-    assert pb.metrics[("bls_requests_total", ("code", "UNAVAILABLE"), ("model", "pipeline"))] == 0
+    stub = ("stub_pid", str(os.getpid()))
+    assert pb.metrics[("bls_requests_total", ("code", "UNAVAILABLE"), ("model", "pipeline"),
+                       stub)] == 0
     assert ("bls_subrequest_errors_total", ("kind", "invalid"), ("model", "pipeline"),
-            ("stage", "embedder")) in pb.metrics
+            ("stage", "embedder"), stub) in pb.metrics
 
 
 def test_shutdown_waits_for_the_sub_requests_out_and_then_makes_no_pb_utils_call():
