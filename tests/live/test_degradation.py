@@ -3,7 +3,8 @@
 * ``pipeline_slow`` (deadline 1 s, 8 sub-request threads per instance) calls ``fault_slow`` as its
   classifier; the test makes every execution of ``fault_slow`` take 3 s for a while (its
   ``slow_ms`` file) under steady load. Requests must fail with the orchestrator's deadline error
-  on time; the sub-requests given up on must stay bounded (each orchestrator instance waits on at
+  on time (at the client within two deadlines: one in Triton's queue while both instances hold
+  batches, one from arrival in ``execute``); the sub-requests given up on must stay bounded (each orchestrator instance waits on at
   most one per pool thread, ``subrequest_threads``; a group finding no free thread is refused,
   not queued); once the model recovers, latency must return to what it was.
 * ``pipeline_admission`` (the real sub-models; 2 instances each running one batch of up to 16,
@@ -85,7 +86,10 @@ def test_a_slow_sub_model_fails_on_time_stays_bounded_and_recovers(server, fault
     # embedder sub-request can also expire waiting for one.
     assert all("deadline exceeded in stage '" in a.message for a in degraded)
     assert any("stage 'classifier'" in a.message for a in degraded)
-    assert_on_time([a.seconds for a in degraded], DEADLINE)
+    # On time from arrival in execute; before it, a request may wait in Triton's queue while
+    # both instances hold batches answered at their deadlines (r24.10 tells a model nothing of
+    # that wait): at the client, within two deadlines (docs/orchestrator.md, "Deadlines").
+    assert_on_time([a.seconds for a in degraded], 2 * DEADLINE)
 
     # Bounded: at most subrequest_threads sub-requests per orchestrator instance wait on the
     # slow model (its pool's threads).
