@@ -55,7 +55,7 @@ STUB_BACKENDS = ("python",)
 # (MiB; $TRITONLOCAL_MAX_SERVER_MEMORY_MIB; 0: no bound). A replaced copy of a model that r24.10
 # cannot free grows the server without end; with the orchestrators' answers all given within
 # execute there is none, and this bound is the safety net (docs/reliability.md, "Memory").
-MAX_SERVER_MEMORY_MIB = 4096
+MAX_SERVER_MEMORY_MIB = 8192
 
 ALIVE, NOT_ALIVE, UNKNOWN = 0, 1, 2   # exit codes of the command
 
