@@ -7,7 +7,7 @@ Every design answers `pipeline`'s contract:
 | design | how requests of one instance overlap |
 |---|---|
 | runtime x2 (production) | `execute` answers its whole batch (a request whose deadline passes |
-| | first is sent its answer by the clock meanwhile); one batch at a time per instance |
+| | first is sent its answer meanwhile); one batch at a time per instance |
 | minimal per-batch x2, x4 | `execute` waits for its whole batch (bench/models/minimal.py: the anchor) |
 | naive x2 | Triton's BLS example: `async def execute`, `async_exec` per request (bench/models/naive.py) |
 

@@ -136,12 +136,10 @@ class LeanPbUtils:
 
 
 # -- the mechanisms, and what the plainest BLS does in their place ------------------------------
-def _no_watch(self, batch):
-    pass
-
-
-def _no_unwatch(self, batch):
-    pass
+def _plain_wait(self, batch, check_at):
+    """What the plainest BLS does: wait until every request has its outcome, nothing more."""
+    while any(job.outcome is None for job in batch.jobs):
+        batch.sleep(1.0)
 
 
 def _plain_validate(self, inputs):
@@ -149,9 +147,8 @@ def _plain_validate(self, inputs):
 
 
 MECHANISMS = {
-    "the clock watches each batch (deadlines, stage timeouts, cancellation)": {
-        "bls_models.triton_runtime.Orchestrator._watch": _no_watch,
-        "bls_models.triton_runtime.Orchestrator._unwatch": _no_unwatch},
+    "execute's thread keeps its batch's time (deadlines, stage timeouts, cancellation)": {
+        "bls_models.triton_runtime.Orchestrator._wait": _plain_wait},
     "per-request validation before stacking (non-finite values, the pipeline's check)": {
         "bls_models.triton_runtime.Orchestrator._validate": _plain_validate},
     "the gate: a sub-request made only if wanted, with the time left": {

@@ -38,6 +38,11 @@ def _unbounded_offer(self, function, *args):
     return True
 
 
+def _plain_wait(self, batch, check_at):
+    while any(job.outcome is None for job in batch.jobs):
+        batch.sleep(1.0)
+
+
 def _settle_all(self, group, error):
     self._settle(group, group.stage_failure or error)
 
@@ -69,22 +74,21 @@ MUTATIONS = {
                       ["tests/unit/test_drive.py::test_gathered_branches_run_together_on_the_pool"],
                       lambda: _patch("bls_models.drive.Pool.offer",
                                      lambda self, function, *args: False)),
-    "clock": ("the clock: answers sent at their deadline while execute runs",
+    "clock": ("execute's thread keeps time: answers sent at their deadline while others run",
               [f"{R}::test_a_deadline_both_branches_miss_is_answered_on_time_and_counted_once",
                f"{F}::test_1_a_started_requests_deadline_is_kept_while_another_waits"],
-              lambda: _patch("bls_models.triton_runtime.Orchestrator._watch",
-                             lambda self, batch: None)),
-    "stage-timeout": ("a stage's timeout kept by the clock, in re-runs too",
+              lambda: _patch("bls_models.triton_runtime.Orchestrator._wait", _plain_wait)),
+    "stage-timeout": ("a stage's timeout kept, in re-runs too",
                       [f"{F}::test_2_a_stage_timeout_holds_in_a_re_run"],
                       lambda: _patch("bls_models.triton_runtime.Orchestrator._expire",
                                      _expire_deadlines_only)),
     "gate": ("the gate: nothing sent for a group whose members are all answered",
              [f"{R}::test_a_group_answered_between_two_calls_sends_nothing_more"],
              lambda: _patch("bls_models.triton_runtime.Orchestrator._admit", _admit_always)),
-    "cancellation": ("the clock asks long batches whether their clients left",
+    "cancellation": ("long batches ask whether their clients left",
                      [f"{R}::test_a_cancelled_request_stops_before_its_next_stage_and_is_counted_once"],
                      lambda: _patch("bls_models.triton_runtime.Orchestrator._ask",
-                                    lambda self, batch, jobs: None)),
+                                    lambda self, batch, jobs: [])),
     "isolation": ("isolation: halves in batches of their own",
                   [f"{ISO}::test_a_poisoned_row_fails_alone_and_the_others_get_their_own_rows",
                    f"{F}::test_3_an_innocent_never_hears_another_requests_invalid_arg"],
@@ -108,8 +112,8 @@ MUTATIONS = {
     "no-cycles": ("no reference cycles (frames that hold the error they raised)",
                   ["tests/unit/test_memory.py::test_no_path_leaves_reference_cycles"],
                   lambda: _patch("bls_models.drive._gather", _gather_keeping_errors)),
-    "not-sent": ("an answer the clock cannot hand over goes back to execute's list",
-                 ["tests/unit/test_failure_paths.py::test_an_answer_the_clock_cannot_build_or_hand_over_is_still_given"],
+    "not-sent": ("an answer that cannot be handed over early goes back to execute's list",
+                 ["tests/unit/test_failure_paths.py::test_an_answer_that_cannot_be_built_or_handed_over_early_is_still_given"],
                  lambda: _patch("bls_models.backend.NotSent", _Unrelated)),
     "own": ("a borrowed output copied before its response goes",
             ["tests/unit/test_owned_outputs.py"],

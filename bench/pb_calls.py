@@ -22,7 +22,8 @@ written to ``bench/results/pb_calls.md`` (and ``.json``):
    ``pb_utils`` (tests/unit/fake_pb_utils.py): the committed ``pipeline`` (its config's
    parameters), its requests arriving one per ``execute`` and four per ``execute``, answered
    in ``execute``'s list, and requests whose deadline passes while their classifier still runs,
-   which the runtime's clock answers through their response senders (``SETUPS``).
+   which ``execute``'s thread answers through their response senders while a batch-mate runs
+   on (``SETUPS``).
 
 Multiply 3 by 1 for the cost of the calls; the rest of the stub's CPU per request
 (``make bench-overhead``) is the runtime's own Python. The repository given is only read.
@@ -299,12 +300,13 @@ def answering(server: TritonServer) -> list[dict]:
     return rows
 
 
-# Part 3: (label, requests per execute, executes, each request's timeout in µs (0: the default
-# deadline), what its id tells the fake classifier). Answered in execute's list, or sent by the
-# clock at a 20 ms deadline while a 60 ms classifier still runs (execute returns after it).
-SETUPS = (("1 per execute, returned", 1, 50, 0, ""),
-          ("4 per execute, returned", 4, 50, 0, ""),
-          ("1 per execute, sent at its deadline", 1, 20, 20_000, ";classifier=60"))
+# Part 3: (label, executes, each request's (timeout in µs (0: the default deadline), what its id
+# tells the fake classifier)). Answered in execute's list, or sent at a 20 ms deadline while the
+# group's 60 ms classifier still runs for a batch-mate (execute returns after it).
+SETUPS = (("1 per execute, returned", 50, ((0, ""),)),
+          ("4 per execute, returned", 50, ((0, ""),) * 4),
+          ("2 per execute: 1 sent at its deadline, 1 returned", 20,
+           ((20_000, ";classifier=60"), (0, ""))))
 
 
 def calls_per_request() -> dict[str, dict[str, float]]:
@@ -314,7 +316,7 @@ def calls_per_request() -> dict[str, dict[str, float]]:
     from tests.unit.row_models import DirectedRowModels, image_of
 
     counted = {}
-    for label, per_execute, executes, timeout_us, directions in SETUPS:
+    for label, executes, setup in SETUPS:
         pb = FakePbUtils(DirectedRowModels().models())
         orch = orchestrator(pb)
         try:
@@ -324,7 +326,7 @@ def calls_per_request() -> dict[str, dict[str, float]]:
             for batch in range(executes):
                 requests = [Request(image_of(20 + i), request_id=f"b{batch}-{i}{directions}",
                                     timeout_us=timeout_us)
-                            for i in range(per_execute)]
+                            for i, (timeout_us, directions) in enumerate(setup)]
                 pb.execute(orch, requests)
                 wait_answered(requests)
                 total += len(requests)

@@ -21,8 +21,7 @@ class Finalized(RuntimeError):
 
 
 class NotSent(RuntimeError):
-    """A response could not be built or handed to the request's sender, which was never used:
-    the request may still be answered another way."""
+    """A response not built or not handed to its sender, which was never used."""
 
 
 def owns_memory(array: np.ndarray) -> bool:
@@ -52,12 +51,11 @@ class Backend:
         self.pb, self.model = pb_utils, model
         self.lock = threading.RLock()  # logging takes it too, also from code that holds it
         self.finalized = threading.Event()
-        self._cpu = None
+        self._cpu = pb_utils.PreferredMemory(pb_utils.TRITONSERVER_MEMORY_CPU, 0)
 
     # -- requests (execute's thread, while the request is alive) ----------------------------
     def read(self, request, input_names):
-        """``(request id, timeout µs, {name: own array} or the missing input's name, requested
-        output names)``; raises what pb_utils raises."""
+        """(id, timeout µs, {name: own array} or a missing input's name, requested outputs)."""
         pb = self.pb
         with self.lock:
             request_id = request.request_id()
@@ -72,8 +70,7 @@ class Backend:
             return request_id, timeout_us, inputs, list(request.requested_output_names())
 
     def is_cancelled(self, request) -> bool:
-        """Whether the client cancelled (a round trip; no lock)."""
-        return bool(request.is_cancelled())
+        return bool(request.is_cancelled())  # a round trip; no lock
 
     # -- answers ----------------------------------------------------------------------------
     def response(self, arrays: list[tuple[str, np.ndarray]] | None = None,
@@ -106,13 +103,6 @@ class Backend:
                     _LEFT_AT_SHUTDOWN.append((response, sender))
                 response = sender = None
 
-    def release(self, held: list) -> None:
-        """Empty ``held`` (backend objects a group kept: ``DeviceTensor``s) under the lock."""
-        with self.lock:
-            if self.finalized.is_set():
-                _LEFT_AT_SHUTDOWN.append(list(held))
-            held.clear()
-
     # -- sub-requests (any thread) ----------------------------------------------------------
     def infer(self, model: str, inputs: dict, outputs: list[str], request_id: str, gate,
               keep: frozenset = frozenset(), reduce=None):
@@ -125,7 +115,7 @@ class Backend:
         try:
             with self.lock:
                 timeout_us = gate()
-                memory = {} if keep else {"preferred_memory": self._cpu_memory()}
+                memory = {} if keep else {"preferred_memory": self._cpu}
                 request = pb.InferenceRequest(
                     model_name=model, requested_output_names=outputs, request_id=request_id,
                     timeout=timeout_us, inputs=[
@@ -161,11 +151,6 @@ class Backend:
                     _LEFT_AT_SHUTDOWN.append((request, response, tensor))
                 request = response = tensor = None
 
-    def _cpu_memory(self):
-        if self._cpu is None:
-            self._cpu = self.pb.PreferredMemory(self.pb.TRITONSERVER_MEMORY_CPU, 0)
-        return self._cpu
-
     # -- metrics and the log ------------------------------------------------------------------
     def metric_family(self, name: str, description: str, kind: str):
         with self.lock:
@@ -173,18 +158,18 @@ class Backend:
                                         kind=getattr(self.pb.MetricFamily, kind))
 
     def metric(self, family, labels: dict[str, str]):
-        """A series of ``family`` (a round trip: it registers with the server)."""
-        return family.Metric(labels=labels)
+        return family.Metric(labels=labels)  # a round trip: it registers with the server
 
     def increment(self, metric, value: float) -> None:
-        metric.increment(value)  # a round trip; no lock
+        if not self.finalized.is_set():
+            metric.increment(value)  # a round trip; no lock
 
     def clear(self, *collections) -> None:
         """Empty containers of backend objects, in order, under the lock."""
         with self.lock:
             for collection in collections:
                 if self.finalized.is_set():
-                    _LEFT_AT_SHUTDOWN.append(dict(collection))
+                    _LEFT_AT_SHUTDOWN.append(collection.copy())
                 collection.clear()
 
     def log(self, message: str, error: bool = False) -> None:

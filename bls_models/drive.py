@@ -1,13 +1,7 @@
-"""Runs a pipeline's run function plainly: its sub-requests are blocking calls, its branches run
-on a bounded pool of threads.
-
-A run function (``async def run(inputs, call, setup)``) awaits only ``call(...)`` (a ``Call``)
-and ``gather_all(...)`` (a ``Gather``). ``drive`` steps its coroutine on the calling thread and
-hands each ``Call`` to ``send``, which blocks until the sub-model answers; a ``Gather`` runs its
-first branch on this thread and offers the others to the ``Pool``, running itself any branch no
-thread took, so a gather never waits for a thread that is not coming. Anything else awaited is
-thrown back into the coroutine as a ``TypeError``. ``Abandoned`` (raised by ``send`` once no
-request wants the answer) stops the coroutine at once. No Triton here.
+"""Runs a pipeline's run function plainly: a ``Call`` is a blocking ``send`` on the thread that
+awaits it; a ``Gather`` offers its branches to the bounded ``Pool`` and runs on this thread any
+branch no thread took, so it never waits for a thread that is not coming. Anything else awaited
+is thrown back as a ``TypeError``; ``Abandoned`` stops the run at once. No Triton here.
 """
 
 from __future__ import annotations
@@ -35,26 +29,21 @@ class Call:
     def __await__(self):
         return (yield self)
 
-    def __repr__(self) -> str:
-        return f"Call({self.stage!r})"
-
 
 class Gather:
     """``await gather_all(*awaitables)``: every branch to its end, then the first
-    ``PipelineError`` among their failures (else the first other one), else their results in
-    order. No branch is left running when another fails."""
+    ``PipelineError`` among their failures (else the first other one), else their results."""
 
     __slots__ = ("awaitables",)
 
-    def __init__(self, awaitables) -> None:
+    def __init__(self, *awaitables) -> None:
         self.awaitables = list(awaitables)
 
     def __await__(self):
         return (yield self)
 
 
-def gather(*awaitables) -> Gather:
-    return Gather(awaitables)
+gather = Gather
 
 
 async def _awaiting(awaitable):
@@ -134,12 +123,6 @@ def _gather(awaitables, send, pool):
         errors = failure = None
 
 
-def run(awaitable, send):
-    """Drive ``awaitable`` with ``send(call) -> outputs`` and no pool: branches one after the
-    other. For tests and the contract check; the runtime passes its ``Pool``."""
-    return drive(awaitable, send)
-
-
 class Pool:
     """At most ``size`` daemon threads, started as needed. ``offer`` hands work to a free thread
     or refuses it (none is free, or shut down): nothing waits for a thread. Daemons: a thread
@@ -151,8 +134,7 @@ class Pool:
         self._lock = threading.Lock()
         self._work: queue.SimpleQueue = queue.SimpleQueue()
         self._threads: list[threading.Thread] = []
-        self._idle = 0  # threads waiting for work, not yet promised any
-        self._closed = False
+        self._idle, self._closed = 0, False  # threads waiting for work, not promised any
 
     def offer(self, function, *args) -> bool:
         """Run ``function(*args)`` on a free thread of the pool; False if none is free."""

@@ -120,6 +120,10 @@ def internal_error(model: str, stage: str = "") -> PipelineError:
                          stage=stage, kind=Kind.INTERNAL)
 
 
+def shutting_down(model: str) -> PipelineError:
+    return PipelineError(Code.UNAVAILABLE, f"model '{model}' is shutting down")
+
+
 class Cancelled(PipelineError):
     def __init__(self, stage: str) -> None:
         super().__init__(Code.CANCELLED, f"request cancelled before stage '{stage}'",

@@ -1,18 +1,10 @@
-"""Isolation: when a group fails with an error one request may cause, find the requests that
-cause it, so only they hear of it.
+"""Isolation: when a group fails with an error one request may cause, find who causes it.
 
-Triton's onnxruntime backend runs a sub-model's dynamic batch as one ONNX Runtime call, so one
-bad row fails every row of that batch: the group's, and rows of other requests the sub-model's
-batcher put with them. ``bisect`` re-runs the failed group's live members in halves, each half
-in a sub-model batch of its own — every sub-request of an attempt is padded to its stage
-model's ``max_batch_size`` by repeating its last row (``pad``), and Triton's batcher adds
-nothing to a full batch — until each failing half is one request: that request is the cause. A
-group whose failed sub-request may have shared a batch is first re-run whole, padded (the cause
-may have been another client's row). An attempt takes from ``Memo`` every stage the group
-already got answered (a batching model answers a row from that row alone), so it sends the
-failing stage, and what follows it, only. Attempts run within the members' deadlines; a failure
-no row causes (a deadline, a full queue) ends the attempt's members with that failure, which is
-retryable, never another request's error. Pure Python over numpy.
+One bad row fails a whole sub-model batch, the group's and whatever the batcher added.
+``bisect`` re-runs the members in halves, each padded to a full batch (the batcher adds nothing
+to one), down to the one that causes it; a group that may have shared its batch is first re-run
+whole, padded. ``Memo`` gives an attempt the stages the group got. A failure no row causes ends
+an attempt's members with it: retryable, never another's error. Pure Python.
 """
 
 from __future__ import annotations
@@ -27,14 +19,13 @@ from bls_models.errors import Kind, PipelineError
 
 def row_caused(error: BaseException) -> bool:
     """Whether ``error`` may come from one request's rows: a sub-model rejecting its data, the
-    run function's ``InvalidInput``, or a bug of the run function (it raised, or its outputs
-    do not fit the rows)."""
+    run function's ``InvalidInput``, or a bug of the run function."""
     return not isinstance(error, PipelineError) or error.kind is Kind.INVALID
 
 
 def pad(inputs: dict, full: int) -> tuple[dict, int | None]:
     """``inputs`` repeated to ``full`` rows by their last row, and their own row count (None:
-    left as they are, when they fill a batch already or are not host arrays)."""
+    left as they are: a full batch already, or not host arrays)."""
     values = list(inputs.values())
     if not values or not all(isinstance(v, np.ndarray) and v.ndim >= 1 for v in values):
         return inputs, None
@@ -78,9 +69,9 @@ def _halves(part: list) -> list[list]:
 
 
 class Memo:
-    """The rows a failed group's sub-requests got answered, by stage and row contents: an
-    attempt takes a sub-request's outputs from here when the group got every one of its rows
-    (``done``: (stage, inputs, outputs) of stages whose model batches, host arrays only)."""
+    """The rows a failed group's sub-requests got answered (``done``: (stage, inputs,
+    outputs)), by stage and row contents: an attempt's sub-request is answered from here when
+    every one of its rows is."""
 
     def __init__(self, done) -> None:
         self.rows: dict[bytes, tuple[dict, int]] = {}

@@ -4,7 +4,7 @@ Each pipeline is an ``async`` function ``run(inputs, call, setup)`` over numpy a
 reaches its sub-models only through ``await call(stage, inputs, output_names)`` and runs
 independent ones together with ``await gather_all(...)``; its ``PipelineDef`` in ``spec`` names
 it. The runtime drives it (``bls_models.drive``) and sends each sub-request; tests drive it with
-``drive.run`` over fake sub-models. A pipeline raises ``PipelineError`` for anything the client
+``drive.drive`` over fake sub-models. A pipeline raises ``PipelineError`` for anything the client
 should hear about.
 """
 
@@ -303,7 +303,7 @@ def contract_problems(definition, batch: int = 1) -> list[str]:
             if check is not None:
                 for count, _ in asked or ((batch, every),):
                     check({name: value[:count] for name, value in inputs.items()}, setup)
-            outputs = drive.run(definition.run_function()(inputs, drive.Call, setup), call)
+            outputs = drive.drive(definition.run_function()(inputs, drive.Call, setup), call)
         except Exception as error:  # noqa: BLE001 - reported, with the contracts it ran under
             problems.append(f"with {where}: the pipeline raised {type(error).__name__}: {error}")
             continue

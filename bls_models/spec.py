@@ -2,9 +2,9 @@
 
 Tensor names, dtypes and shapes defined here are used by the ONNX exporter (``modelgen``),
 by the ``config.pbtxt`` generator, by the orchestrators and by the tests; the orchestrators
-themselves are defined here too, one ``PipelineDef`` each (``bls_models/definition.py``). Nothing here imports
-Triton, numpy or torch, so the orchestrators can use it inside the python-backend stub and the
-unit tests can use it anywhere.
+themselves are defined here too, one ``PipelineDef`` each (``bls_models/definition.py``), and
+the metrics every orchestrator exports. Nothing here imports Triton, numpy or torch, so the
+orchestrators can use it inside the python-backend stub and the unit tests can use it anywhere.
 
 Shapes never include the batch dimension: every model here batches (``max_batch_size > 0``)
 and Triton prepends the batch axis.
@@ -23,6 +23,7 @@ from bls_models.definition import (
     TensorSpec,
     register,
 )
+from bls_models.errors import Code, Kind
 from bls_models.params import Param, RealParam
 
 # ImageNet normalisation applied by `preprocess`.
@@ -299,3 +300,57 @@ def model(name: str) -> ModelSpec:
         if spec.name == name:
             return spec
     raise KeyError(f"no model named '{name}' in the repository spec")
+
+
+# -- what every orchestrator exports (bls_models/metrics.py publishes them; the dashboard and the
+# autoscaler read them) -----------------------------------------------------------------------
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+ROW_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 32)
+
+# name -> (kind, description)
+FAMILIES: dict[str, tuple[str, str]] = {
+    "bls_request_latency_seconds": (
+        "HISTOGRAM", "Time from receiving a request to sending its response, per orchestrator"),
+    "bls_stage_latency_seconds": (
+        "HISTOGRAM", "Time a stage's sub-request took (until answered or given up), per stage"),
+    "bls_requests_total": (
+        "COUNTER", "Requests answered, by status code (SUCCESS or the Triton error code)"),
+    "bls_subrequest_errors_total": (
+        "COUNTER", "Failed sub-requests, by stage and kind (deadline, queue_full, failed, ...)"),
+    "bls_deadline_exceeded_total": (
+        "COUNTER", "Requests whose deadline or stage timeout passed, by the stage they waited on"),
+    "bls_abandoned_subrequests_total": (
+        "COUNTER", "Sub-requests given up on after their deadline while still running"),
+    "bls_abandoned_subrequests_completed_total": (
+        "COUNTER", "Abandoned sub-requests that have since finished (their result is dropped)"),
+    "bls_cancelled_requests_total": (
+        "COUNTER", "Requests cancelled by the client, by the stage they were stopped before"),
+    "bls_inflight_requests": ("GAUGE", "Requests being orchestrated right now"),
+    "bls_subrequest_rows": (
+        "HISTOGRAM", "Rows per sub-request sent to a stage (a group's stacked requests)"),
+    "bls_isolated_requests_total": (
+        "COUNTER", "Requests searched for the cause of their group's failure"),
+    "bls_isolation_reused_subrequests_total": (
+        "COUNTER", "Sub-requests an isolation attempt took from its group's answer"),
+    "bls_inflight_subrequests": (
+        "GAUGE", "Sub-requests sent and not yet answered, abandoned ones included"),
+}
+# The codes a request can be answered with: SUCCESS, an error code, or not sent at all.
+REQUEST_CODES = ("SUCCESS", *(code.value for code in Code), "SEND_FAILED")
+
+
+def known_series(stages) -> list[tuple[str, dict[str, str]]]:
+    """Every (family, labels) an orchestrator with these stages can produce: created at load,
+    at 0, as Prometheus expects of a known label set."""
+    per_stage = ("bls_stage_latency_seconds", "bls_subrequest_rows", "bls_deadline_exceeded_total",
+                 "bls_abandoned_subrequests_total", "bls_abandoned_subrequests_completed_total",
+                 "bls_cancelled_requests_total", "bls_isolation_reused_subrequests_total")
+    series = [(family, {}) for family in ("bls_request_latency_seconds", "bls_inflight_requests",
+                                          "bls_inflight_subrequests",
+                                          "bls_isolated_requests_total")]
+    series += [("bls_requests_total", {"code": code}) for code in REQUEST_CODES]
+    for stage in stages:
+        series += [(family, {"stage": stage}) for family in per_stage]
+        series += [("bls_subrequest_errors_total", {"stage": stage, "kind": kind.value})
+                   for kind in Kind]
+    return series

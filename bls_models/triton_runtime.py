@@ -1,21 +1,17 @@
 """Runs a pipeline inside a Triton python-backend model: ``execute``, its groups, shutdown.
 
 ``execute`` is the plainest per-batch BLS with its time kept: it checks each request, stacks
-the batch into groups, runs them on the pool (``drive``), and returns as soon as every request
-has its answer, even if a sub-request given up on at a deadline is still out: an instance is
-never held by a slow sub-model past its requests' deadlines. Beside it one thread, the clock,
-keeps time and publishes the metrics. Four invariants,
-checked by the unit tests' fake ``pb_utils`` after every test:
+the batch into groups, runs them on the pool (``drive``) and keeps their time on its own thread
+until every request has its answer. Invariants (the unit tests' fake ``pb_utils`` checks them):
 
-1. Every request that reaches ``execute`` has exactly one final answer before ``execute``
-   returns, whatever raises: in its list, or sent by the clock while the batch runs. Nothing is
-   owed past ``execute``, so nothing is lost when a stub dies.
-2. No answer leaves after its deadline (+ the documented slack): the clock sends each one still
-   waiting when its deadline, or its stage's timeout, passes.
-3. A group holds its threads until nothing of it is out, and once every member is answered it
-   sends nothing more (``Abandoned``). A group finding no free thread is refused.
-4. A request is charged only for its own rows: its rows' outputs or its own error. A failure
-   one row may cause is isolated; one no row causes is retryable, never another's error.
+1. Every request that reaches ``execute`` has exactly one final answer before it returns,
+   whatever raises: in its list, or sent while the batch runs. Nothing is owed past it.
+2. No answer leaves after its deadline (+ the documented slack): ``execute`` sends each one
+   still waiting when its deadline, or its stage's timeout, passes.
+3. A group holds its thread until nothing of it is out, and sends nothing once every member
+   is answered (``Abandoned``). A group finding no free thread is refused.
+4. A request is charged only for its own rows: its outputs or its own error. A failure one row
+   may cause is isolated; one no row causes is retryable, never another's error.
 
 docs/orchestrator.md follows one request through it.
 """
@@ -23,7 +19,6 @@ docs/orchestrator.md follows one request through it.
 from __future__ import annotations
 
 import os
-import threading
 import time
 import traceback
 from dataclasses import replace
@@ -43,21 +38,17 @@ from bls_models.errors import (
     Kind,
     PipelineError,
     internal_error,
+    shutting_down,
     sub_request_failed,
 )
 from bls_models.group import Batch, Group, Job, form
 from bls_models.isolation import Memo, bisect, pad, row_caused
-from bls_models.metrics import REQUEST_CODES, Metrics
+from bls_models.metrics import Metrics
 
 _NUMPY = {name: np.dtype(dtype) for name, dtype in S.DTYPES.items()}
 CANCEL_CHECK_SECONDS = 0.1      # a batch this old asks its clients whether they left, this often
-CLOCK_TICK_SECONDS = 0.1        # the clock acts at least this often (sooner when it must)
 SHUTDOWN_DRAIN_SECONDS = 10.0   # finalize waits this long for what runs and what is out
-SHUTDOWN_THREADS_SECONDS = 1.0  # then for the clock
-
-
-def shutting_down(model: str) -> PipelineError:
-    return PipelineError(Code.UNAVAILABLE, f"model '{model}' is shutting down")
+SHUTDOWN_THREADS_SECONDS = 1.0  # then for the metrics' thread
 
 
 class Orchestrator:
@@ -71,11 +62,11 @@ class Orchestrator:
         self.batching, self.input_names, self.keep = plan.batching, plan.input_names, plan.keep
         self.first_stage, self.group_rows = plan.first_stage, plan.group_rows
         self.output_dtypes = {name: _NUMPY[kind] for name, kind in plan.output_types.items()}
-        self.log = self.backend.log
+        self.log, self.stopping = self.backend.log, False
         self.metrics = Metrics(self.backend, self.model, list(self.config.stages),
                                stub=str(os.getpid()))
         key = self.metrics.key
-        self._codes = {code: key("bls_requests_total", code=code) for code in REQUEST_CODES}
+        self._codes = {code: key("bls_requests_total", code=code) for code in S.REQUEST_CODES}
         self._latency = key("bls_request_latency_seconds")
         self._stage_keys = {stage: (key("bls_subrequest_rows", stage=stage),
                                     key("bls_stage_latency_seconds", stage=stage))
@@ -84,27 +75,18 @@ class Orchestrator:
         self.out: set = set()  # sub-requests out (set operations hold under the GIL)
         self.metrics.watch("bls_inflight_requests", lambda: self.inflight)
         self.metrics.watch("bls_inflight_subrequests", self.out.__len__)
-        self.stopping = False
         self.log(f"orchestrating '{self.definition.name}': {self.config}; contracts "
                  f"{ {stage: c.name for stage, c in plan.contracts.items()} }; groups of up to "
                  f"{self.group_rows} rows; kept on the GPU: {self.keep}")
         # Last: every pb_utils call of initialize is made before a second thread exists.
         self.pool = Pool(self.config.subrequest_threads, f"{self.model}-worker", self.log)
-        self._batches: set[Batch] = set()  # what the clock watches
-        self._clock_lock = threading.Lock()
-        self._clock_latch = threading.Lock()
-        self._clock_latch.acquire()
-        self._tick_at = 0.0
-        self._stop = threading.Event()
-        self._clock = threading.Thread(target=self._keep_time, daemon=True,
-                                       name=f"{self.model}-clock")
-        self._clock.start()
+        self.metrics.start(f"{self.model}-metrics")
 
     # -- execute (the stub's main thread) ---------------------------------------------------
     def execute(self, requests):
         """Answer the batch: every answer is given before this returns. Never raises."""
         arrived = time.monotonic()
-        batch = Batch(arrived + CANCEL_CHECK_SECONDS)
+        batch = Batch()
         self.executing += 1
         self.inflight += len(requests)
         try:
@@ -115,14 +97,12 @@ class Orchestrator:
                 batch.groups = form(live, self.group_rows, self.first_stage)
                 for group in batch.groups:
                     group.batch, group.lock, group.started = batch, batch.lock, arrived
-                self._watch(batch)
-                for group in batch.groups:  # on the pool: this thread answers by deadlines
+                for group in batch.groups:  # on the pool: this thread keeps their time
                     if not self.pool.offer(self._run, group):
                         self._settle(group, PipelineError(
                             Code.UNAVAILABLE, f"orchestrator '{self.model}': all "
                             f"{self.pool.size} sub-request threads are busy: retry"))
-                while not batch.settled():  # its groups, or the clock at a deadline
-                    batch.sleep(1.0)
+                self._wait(batch, arrived + CANCEL_CHECK_SECONDS)
         except BaseException:  # noqa: BLE001 - execute must not raise (python_be.cc deletes every factory)
             self.log(f"execute failed:\n{traceback.format_exc()}", error=True)
             with batch.lock:
@@ -132,7 +112,6 @@ class Orchestrator:
                     if job.outcome is None:
                         job.outcome = internal_error(self.model)
         try:
-            self._unwatch(batch)
             return self._respond(batch.jobs)
         finally:
             batch.groups = batch.jobs = []  # no cycle with its groups: freed at once
@@ -141,28 +120,23 @@ class Orchestrator:
 
     def _receive(self, request, arrived: float) -> Job:
         """A job for ``request``, with an outcome already if it cannot run. Never raises."""
-        config = self.config
+        limits = (self.config.default_deadline_ms, self.config.max_deadline_ms)
+        job = Job(request, "", arrived, 0, *limits)
         try:
             request_id, timeout_us, inputs, outputs = self.backend.read(request, self.input_names)
-        except Exception:  # noqa: BLE001 - core validated it: not the client's fault
-            self.log(f"could not read a request:\n{traceback.format_exc()}", error=True)
-            job = Job(request, "", arrived, 0, config.default_deadline_ms, config.max_deadline_ms)
-            job.outcome = internal_error(self.model)
-            return job
-        job = Job(request, request_id, arrived, timeout_us, config.default_deadline_ms,
-                  config.max_deadline_ms)
-        if isinstance(inputs, str):
-            job.outcome = InvalidInput(f"the request has no input '{inputs}'")
-            return job
-        job.inputs, job.rows = inputs, len(next(iter(inputs.values())))
-        job.outputs = (list(dict.fromkeys(n for n in outputs if n in self.output_dtypes))
-                       or list(self.output_dtypes))
-        try:
+            job = Job(request, request_id, arrived, timeout_us, *limits)
+            if isinstance(inputs, str):
+                job.outcome = InvalidInput(f"the request has no input '{inputs}'")
+                return job
+            job.inputs, job.rows = inputs, len(next(iter(inputs.values())))
+            job.outputs = (list(dict.fromkeys(n for n in outputs if n in self.output_dtypes))
+                           or list(self.output_dtypes))
             self._validate(job.inputs)
         except PipelineError as error:
             job.outcome = error
-        except Exception:  # noqa: BLE001 - a bug of the check: INTERNAL, logged
-            self.log(f"the check of '{request_id}' failed:\n{traceback.format_exc()}", error=True)
+        except Exception:  # noqa: BLE001 - unreadable, or a bug of the check: INTERNAL, logged
+            self.log(f"reading or checking a request failed:\n{traceback.format_exc()}",
+                     error=True)
             job.outcome = internal_error(self.model)
         return job
 
@@ -177,87 +151,35 @@ class Orchestrator:
         if self.check is not None:
             self.check(inputs, self.setup)
 
-    # -- the clock (a thread of its own) ------------------------------------------------------
-    def _watch(self, batch: Batch) -> None:
-        """The clock keeps ``batch``'s time (woken if it must act before its next tick)."""
-        with self._clock_lock:
-            self._batches.add(batch)
-            if min(job.end for job in batch.jobs) < self._tick_at:
-                self._clock_wake()
-
-    def _unwatch(self, batch: Batch) -> None:
-        """``execute`` answers the rest: the clock answers no more of ``batch`` and is done with
-        what it was answering (its requests are released when ``execute`` returns)."""
-        with batch.lock:
-            batch.closing = True
-            busy = batch.busy
-        while busy:
-            batch.sleep(1.0)
-            with batch.lock:
-                busy = batch.busy
-        with self._clock_lock:
-            self._batches.discard(batch)
-
-    def _clock_wake(self) -> None:
-        try:
-            self._clock_latch.release()
-        except RuntimeError:  # woken already
-            pass
-
-    def _keep_time(self) -> None:
-        """The clock, until finalize: every CLOCK_TICK_SECONDS, or sooner when a watched batch
-        needs it, keep each batch's time (``_keep``); publish the metrics when due."""
-        while not self._stop.is_set():
+    def _wait(self, batch: Batch, check_at: float) -> None:
+        """Until every request of ``batch`` has its outcome, keep their time: members past
+        their deadline, or their stage's timeout, get the deadline error; from ``check_at`` on,
+        every CANCEL_CHECK_SECONDS, the clients are asked whether they left. Each answer so
+        decided, and any other still waiting when its deadline passes, is sent at once."""
+        kept: set[Job] = set()  # answers the sender could not take: returned instead
+        while True:
             now = time.monotonic()
-            wake = now + CLOCK_TICK_SECONDS
-            for batch in list(self._batches):
-                try:
-                    wake = min(wake, self._keep(batch, now))
-                except Exception:  # noqa: BLE001 - logged; the clock goes on
-                    self.log(f"keeping time failed:\n{traceback.format_exc()}", error=True)
-            self.metrics.publish(now, self.log)
-            self._tick_at = wake
-            self._clock_latch.acquire(timeout=max(0.0, wake - time.monotonic()))
+            with batch.lock:
+                expired = {job for group in batch.groups for job in self._expire(group, now)}
+                due = [job for job in batch.jobs if job.outcome is not None and not job.answered
+                       and job not in kept and (job in expired or job.end <= now)]
+                pending = [job for job in batch.jobs if job.outcome is None]
+                wake = min([check_at, *(job.end for job in pending),
+                            *(ends for group in batch.groups
+                              for _, _, ends, members in group.out.values()
+                              if ends and any(m.outcome is None for m in members))])
+            if not pending:
+                return  # execute's list answers the rest
+            for job in due + (self._ask(batch, pending) if now >= check_at else []):
+                if not self._send(job):
+                    kept.add(job)
+            if now >= check_at:
+                check_at = now + CANCEL_CHECK_SECONDS
+            batch.sleep(wake - time.monotonic())
 
-    def _keep(self, batch: Batch, now: float) -> float:
-        """One batch's time: members past their deadline or their stage's timeout get the
-        deadline error; a batch older than CANCEL_CHECK_SECONDS asks its clients whether they
-        left; every answer so decided, and any other still waiting when its deadline passes, is
-        sent at once. Returns when it must act next."""
-        with batch.lock:
-            if batch.closing:
-                return float("inf")
-            expired = [job for group in batch.groups for job in self._expire(group, now)]
-            due = [job for job in batch.jobs if not job.answered and job.outcome is not None
-                   and job.sendable and (job.end <= now or job in expired)]
-            pending = [job for job in batch.jobs if job.outcome is None]
-            check = pending if now >= batch.next_check else []
-            if check:
-                batch.next_check = now + CANCEL_CHECK_SECONDS
-            for job in due:
-                job.answered = True
-            if due or check:
-                batch.busy += 1
-            wake = min([batch.next_check, *(job.end for job in pending),
-                        *(ends for group in batch.groups
-                          for _, _, ends, members in group.out.values()
-                          if ends and any(m.outcome is None for m in members))])
-        if expired:
-            batch.wake()
-        if due or check:
-            try:
-                for job in due:
-                    self._send(job)
-                if check:
-                    self._ask(batch, check)
-            finally:
-                with batch.lock:
-                    batch.busy -= 1
-                batch.wake()
-        return wake
-
-    def _ask(self, batch: Batch, jobs: list[Job]) -> None:
-        """Answer CANCELLED those of ``jobs`` whose client left (each an IPC round trip)."""
+    def _ask(self, batch: Batch, jobs: list[Job]) -> list[Job]:
+        """Those of ``jobs`` whose client left, answered CANCELLED (each asks: an IPC round
+        trip)."""
         left = []
         for job in jobs:
             try:
@@ -265,17 +187,14 @@ class Orchestrator:
                     left.append(job)
             except Exception:  # noqa: BLE001 - it goes on; its answer says how it ends
                 self.log(f"is_cancelled() failed:\n{traceback.format_exc()}", error=True)
-        cancelled = []
         with batch.lock:
+            left = [job for job in left if job.outcome is None]
             for job in left:
-                if job.outcome is None and job.sendable:
-                    group = next(g for g in batch.groups if job in g.members)
-                    job.outcome, job.answered = Cancelled(group.where()), True
-                    self.metrics.increment("bls_cancelled_requests_total", stage=group.where())
-                    self._closing(group)
-                    cancelled.append(job)
-        for job in cancelled:
-            self._send(job)
+                group = next(g for g in batch.groups if job in g.members)
+                job.outcome = Cancelled(group.where())
+                self.metrics.increment("bls_cancelled_requests_total", stage=group.where())
+                self._closing(group)
+        return left
 
     def _expire(self, group: Group, now: float) -> list[Job]:
         """(under the lock) The live members of ``group`` whose time is up — their deadline, or
@@ -288,18 +207,18 @@ class Orchestrator:
                     if job.outcome is None:
                         job.outcome = DeadlineExceeded(stage, settings.model,
                                                        settings.timeout_ms, "stage timeout")
-                        expired.append((job, stage))
+                        expired.append(job)
         for job in group.live():
             if job.end <= now:
                 stage = group.where()
                 job.outcome = DeadlineExceeded(stage, self.config.stage(stage).model,
                                                job.budget_ms, job.limit)
-                expired.append((job, stage))
-        for _, stage in expired:
-            self.metrics.increment("bls_deadline_exceeded_total", stage=stage)
+                expired.append(job)
+        for job in expired:
+            self.metrics.increment("bls_deadline_exceeded_total", stage=job.outcome.stage)
         if expired:
             self._closing(group)
-        return [job for job, _ in expired]
+        return expired
 
     def _closing(self, group: Group) -> None:
         """(under the lock) ``group`` may have closed: what it has out is abandoned."""
@@ -331,39 +250,39 @@ class Orchestrator:
                 outcome = internal_error(self.model)
         return outcome.code.value, {"message": outcome.message, "code": outcome.code.value}
 
-    def _send(self, job: Job) -> None:
-        """Answer ``job`` (claimed) now, through its response sender. Never raises."""
+    def _send(self, job: Job) -> bool:
+        """Answer ``job`` now, through its response sender; False (unanswered) if the sender
+        was never used. Never raises."""
         code, content = self._content(job)
         try:
             self.backend.send(job.request, **content)
-        except NotSent:  # its sender was never used: execute's list answers it
-            self.log(f"the clock could not answer '{job.request_id}':\n{traceback.format_exc()}",
+        except NotSent:  # execute's list answers it
+            self.log(f"could not answer '{job.request_id}' early:\n{traceback.format_exc()}",
                      error=True)
-            job.answered, job.sendable = False, False
-            return
+            return False
         except Exception:  # noqa: BLE001 - the sender is closed now (r24.10): no retry
             self.log(f"could not send the response of '{job.request_id}':\n"
                      f"{traceback.format_exc()}", error=True)
             code = "SEND_FAILED"
+        job.answered = True
         self._record([(job, code)])
+        return True
 
     def _respond(self, jobs: list[Job]) -> list:
         """``execute``'s list: a response for each job not sent already. Never raises."""
         responses, answered = [], []
+        plain = {"message": internal_error(self.model).message, "code": "INTERNAL"}
         for job in jobs:
             response = None
             if not job.answered:
                 job.answered = True
-                code, content = self._content(job)
-                for attempt in (content, {"message": internal_error(self.model).message,
-                                          "code": "INTERNAL"}):
+                for code, content in (self._content(job), ("INTERNAL", plain)):  # noqa: B007
                     try:
-                        response = self.backend.response(**attempt)
+                        response = self.backend.response(**content)
                         break
                     except Exception:  # noqa: BLE001 - the plainer answer is tried next
-                        self.log(f"a response for '{job.request_id}' could not be built:\n"
-                                 f"{traceback.format_exc()}", error=True)
-                        code = "INTERNAL"
+                        self.log(f"a response could not be built:\n{traceback.format_exc()}",
+                                 error=True)
                 answered.append((job, code if response is not None else "SEND_FAILED"))
             responses.append(response)
             job.request = job.inputs = None
@@ -407,7 +326,7 @@ class Orchestrator:
                          lambda call: self._call(group, call, memo, held), self.pool)
         finally:
             if held:
-                self.backend.release(held)
+                self.backend.clear(held)
             if group.observed:
                 self.metrics.record(observations=group.observed)
                 group.observed = []
@@ -523,7 +442,7 @@ class Orchestrator:
             group.out[token] = (stage, now, ends, group.members)
         self.out.add(token)
         if ends:
-            group.batch.wake()  # the clock has an earlier time to keep
+            group.batch.wake()  # execute has an earlier time to keep
         return max(1, int(left * 1e6))
 
     def _failure(self, group: Group, stage: str, message: str, rows: int) -> PipelineError:
@@ -542,29 +461,21 @@ class Orchestrator:
     # -- counts, metrics, shutdown ------------------------------------------------------------
     def close(self) -> None:
         """``finalize``: send no more sub-requests (r24.10 refuses them); wait (bounded) for
-        what runs and what is out, stop the threads, publish the metrics. No pb_utils call
-        follows. Never raises."""
+        what runs and what is out, publish the metrics. No pb_utils call follows. Never
+        raises."""
         try:
             self.stopping = True
             give_up = time.monotonic() + SHUTDOWN_DRAIN_SECONDS
             while self.executing and time.monotonic() < give_up:  # one running still (tests)
                 time.sleep(0.02)
-            # The pool's threads hold what is out: wait for them, with the clock still on.
             stuck = self.pool.shutdown(max(0.0, give_up - time.monotonic()))
-            self._stop.set()
-            self._clock_wake()
-            self._clock.join(SHUTDOWN_THREADS_SECONDS)
             if stuck:
                 self.log(f"{stuck} thread(s) still wait on a sub-model at shutdown: left to "
                          "the process's exit; they make no pb_utils call", error=True)
-        except BaseException:  # noqa: BLE001 - the rest of finalize runs all the same
+            self.metrics.close(SHUTDOWN_THREADS_SECONDS)
+        except BaseException:  # noqa: BLE001 - the backend is finalized all the same
             self.log(f"shutdown failed:\n{traceback.format_exc()}", error=True)
         finally:
-            try:
-                self.metrics.close()
-            except BaseException:  # noqa: BLE001 - the backend is finalized all the same
-                self.log(f"publishing the last metrics failed:\n{traceback.format_exc()}",
-                         error=True)
             self.backend.finalize()
 
 

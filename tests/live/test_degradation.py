@@ -4,9 +4,10 @@
   classifier; the test makes every execution of ``fault_slow`` take 3 s for a while (its
   ``slow_ms`` file) under steady load. Requests must fail with the orchestrator's deadline error
   on time (at the client within two deadlines: one in Triton's queue while both instances hold
-  batches, one from arrival in ``execute``); the sub-requests given up on must stay bounded (each orchestrator instance waits on at
-  most one per pool thread, ``subrequest_threads``; a group finding no free thread is refused,
-  not queued); once the model recovers, latency must return to what it was.
+  batches, one from arrival in ``execute``); the sub-requests given up on must stay bounded
+  (each orchestrator instance waits on at most one per pool thread, ``subrequest_threads``; a
+  group finding no free thread is refused, not queued); once the model recovers, latency must
+  return to what it was.
 * ``pipeline_admission`` (the real sub-models; 2 instances each running one batch of up to 16,
   and a queue of 16 in Triton: its queue policy's ``max_queue_size``) gets 96 clients that each
   send again as soon as answered: the excess must be refused at once by Triton's queue

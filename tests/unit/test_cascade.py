@@ -18,7 +18,7 @@ from bls_models.pipelines import contract_problems
 
 
 class StandIns:
-    """``small`` and ``large`` as a ``drive.run`` sender, recording each sub-request's rows.
+    """``small`` and ``large`` as a ``drive.drive`` sender, recording each sub-request's rows.
 
     A row's pixel 0 is the top probability ``small`` gives it and pixel 1 the digit it picks;
     ``large`` picks the next digit with probability 0.97, so every answer says who decided it.
@@ -52,7 +52,7 @@ def digits_with(top_probs) -> np.ndarray:
 
 def run(pixels: np.ndarray, threshold: float, stand_ins: StandIns) -> dict[str, np.ndarray]:
     setup = Setup(options={"threshold": threshold})
-    return drive.run(digits_cascade({S.DIGIT_PIXELS.name: pixels}, drive.Call, setup),
+    return drive.drive(digits_cascade({S.DIGIT_PIXELS.name: pixels}, drive.Call, setup),
                     stand_ins)
 
 

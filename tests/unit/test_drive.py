@@ -68,14 +68,14 @@ def test_each_step_goes_to_send_in_order_with_what_the_run_function_asked():
         seen.append((call.stage, call.inputs, call.outputs, call.reduce))
         return {"a": 2, "b": 3, "c": 4}[call.stage]
 
-    assert drive.run(three_stages(1, Call), send) == [2, 3, 4]
+    assert drive.drive(three_stages(1, Call), send) == [2, 3, 4]
     assert seen == [("a", {"X": 1}, ["Y"], None), ("b", {"X": 2}, ["Y"], None),
                     ("c", {"X": 2}, ["Y"], None)]
 
 
 def test_a_bare_call_or_gather_is_driven_as_a_run_function():
-    assert drive.run(Call("a", {}, ["Y"]), lambda call: call.stage) == "a"
-    assert drive.run(gather(Call("a", {}, []), Call("b", {}, [])), lambda c: c.stage) == ["a", "b"]
+    assert drive.drive(Call("a", {}, ["Y"]), lambda call: call.stage) == "a"
+    assert drive.drive(gather(Call("a", {}, []), Call("b", {}, [])), lambda c: c.stage) == ["a", "b"]
 
 
 def test_gathered_branches_run_together_on_the_pool(pools):
@@ -156,7 +156,7 @@ def test_the_run_function_can_catch_a_sub_requests_error():
     def busy(call):
         raise PipelineError(Code.UNAVAILABLE, "busy")
 
-    assert drive.run(tolerant(Call), busy) == "fallback: UNAVAILABLE"
+    assert drive.drive(tolerant(Call), busy) == "fallback: UNAVAILABLE"
 
 
 def test_the_run_functions_failure_is_raised():
@@ -164,7 +164,7 @@ def test_the_run_functions_failure_is_raised():
         raise PipelineError(Code.INVALID_ARG, f"no {call.stage}")
 
     with pytest.raises(PipelineError, match="no a"):
-        drive.run(three_stages(0, Call), refuse)
+        drive.drive(three_stages(0, Call), refuse)
 
 
 def test_awaiting_anything_else_is_a_type_error_thrown_into_the_run_function():
@@ -172,7 +172,7 @@ def test_awaiting_anything_else_is_a_type_error_thrown_into_the_run_function():
         await asyncio.sleep(0)
 
     with pytest.raises(TypeError, match=r"may await only call\(...\) and gather_all\(...\)"):
-        drive.run(sleeps(Call), lambda call: None)
+        drive.drive(sleeps(Call), lambda call: None)
 
     async def catches(call):
         try:
@@ -180,7 +180,7 @@ def test_awaiting_anything_else_is_a_type_error_thrown_into_the_run_function():
         except TypeError:
             return await call("after", {}, [])
 
-    assert drive.run(catches(Call), lambda call: call.stage) == "after"
+    assert drive.drive(catches(Call), lambda call: call.stage) == "after"
 
 
 def test_abandoned_stops_the_coroutine_at_once():
@@ -203,7 +203,7 @@ def test_abandoned_stops_the_coroutine_at_once():
         raise Abandoned
 
     with pytest.raises(Abandoned):
-        drive.run(stubborn(Call), abandon)
+        drive.drive(stubborn(Call), abandon)
     assert sent == ["a"] and closed == [True]
 
 
@@ -236,7 +236,7 @@ def test_nested_gathers_and_plain_coroutines_are_driven(pools):
         return await gather(inner(call, "a"), gather(inner(call, "b"), call("c", {}, ["Y"])))
 
     answers = {"a": 1, "b": 10, "c": 100}
-    assert drive.run(outer(Call), lambda call: answers[call.stage]) == [2, [11, 100]]
+    assert drive.drive(outer(Call), lambda call: answers[call.stage]) == [2, [11, 100]]
     pools.append(workers := pool(1))  # a nested gather on a pool thread finds none free
     assert drive.drive(outer(Call), Recorder({"a": 0.05, "b": 0.05}, answers), workers) \
         == [2, [11, 100]]

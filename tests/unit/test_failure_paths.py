@@ -155,17 +155,19 @@ def test_a_bug_in_execute_itself_answers_every_request_internal(made, monkeypatc
     assert not after.answer.has_error()
 
 
-# -- answers the clock sends ---------------------------------------------------------------------
+# -- answers sent while the batch runs -----------------------------------------------------------
 def test_a_send_that_raises_once_loses_only_its_own_answer(made):
-    """Three members past their deadline, sent by the clock; the first send raises (r24.10 has
-    closed the sender: that answer is lost, counted SEND_FAILED) and the clock goes on with the
-    others."""
+    """Three members past their deadline while a fourth still runs are sent at once; the first
+    send raises (r24.10 has closed the sender: that answer is lost, counted SEND_FAILED) and the
+    others are sent all the same."""
     pb = FakePbUtils(sub_models())
     made.append(orch := orchestrator(pb))
     requests = [Request(image_inputs(), request_id=f"r{i};classifier=0.3", timeout_us=100_000)
                 for i in range(3)]
+    keeper = Request(image_inputs(), request_id="keeper", timeout_us=1_000_000)
     pb.faults.plan("send", "once")
-    pb.execute(orch, requests)
+    pb.execute(orch, requests + [keeper])
+    assert not keeper.answer.has_error() and not keeper.sender.attempts
     lost = [r for r in requests if not r.answers]
     assert len(lost) == 1 and lost[0].sender.attempts == 1
     assert [code_of(r.answer) for r in requests if r not in lost] == ["UNAVAILABLE"] * 2
@@ -174,39 +176,42 @@ def test_a_send_that_raises_once_loses_only_its_own_answer(made):
 
 
 def test_a_send_under_way_holds_executes_return(made):
-    """The clock's send of an answer takes 0.3 s (a slow round trip): ``execute`` returns only
-    once it is done, so nothing is owed, or uses a request, after ``execute`` returned."""
+    """An answer sent at its deadline while a batch-mate still runs takes 0.3 s to send (a slow
+    round trip): ``execute`` returns only once it is done, so nothing is owed, or uses a
+    request, after ``execute`` returned."""
     pb = FakePbUtils(sub_models())
     made.append(orch := orchestrator(pb))
     slow = Request(image_inputs(), request_id="slow;classifier=0.15", timeout_us=100_000)
+    keeper = Request(image_inputs(), request_id="keeper", timeout_us=2_000_000)
     slow.sender.delay = 0.3
     started = time.monotonic()
-    pb.execute(orch, [slow])
+    pb.execute(orch, [slow, keeper])
     assert slow.sender.sent, "execute returned while its answer was still being sent"
     assert time.monotonic() - started >= 0.1 + 0.3
     assert code_of(slow.answer) == "UNAVAILABLE"
+    assert not keeper.answer.has_error()
 
 
 @pytest.mark.parametrize("call", ["get_response_sender", "InferenceResponse", "Tensor",
                                   "TritonError"])
-def test_an_answer_the_clock_cannot_build_or_hand_over_is_still_given(call):
-    """Only a ``send`` that raises has closed its sender (r24.10): when the clock cannot build
-    its answer, or get the sender, once, the request must still be answered (INTERNAL at
-    worst), as ``execute``'s own list does. The clock sends a success ready early (``early``,
-    its deadline passing while the other group runs) or a deadline error (``TritonError``)."""
+def test_an_answer_that_cannot_be_built_or_handed_over_early_is_still_given(call):
+    """Only a ``send`` that raises has closed its sender (r24.10): when an early answer cannot
+    be built, or its sender got, once, the request must still be answered (INTERNAL at
+    worst), as ``execute``'s own list does. Sent early: a success ready at its deadline
+    (``early``, while the other group runs) or a deadline error (``TritonError``)."""
     pb = rows_models()
     orch = orchestrator(pb)
     send = orch._send
 
-    def faulty_send(job):  # the clock's next such call raises, whatever the timing
+    def faulty_send(job):  # the next such call raises, whatever the timing
         pb.faults.plan(call, "once")
-        send(job)
+        return send(job)
 
     orch._send = faulty_send
     try:
         if call == "TritonError":
             early = Request(image_of(3), request_id="early;classifier=300", timeout_us=100_000)
-            batch = [early]
+            batch = [early, Request(image_of(4), request_id="keeper", timeout_us=2_000_000)]
         else:
             early = Request(image_of(3, 10), request_id="early", timeout_us=100_000)
             batch = [early, Request(image_of(4, 10), request_id="slow;classifier=300")]
@@ -247,7 +252,7 @@ def test_metrics_survive_a_failed_publication_and_lose_nothing():
 @pytest.mark.parametrize("path", ["clean", "publishing fails", "logging fails",
                                   "a thread stuck past the drain"])
 def test_shutdown_cleans_up_on_every_path(monkeypatch, path):
-    """Whatever fails at finalize, it returns, the clock and the pool's threads end (a thread
+    """Whatever fails at finalize, it returns, the metrics' and the pool's threads end (a thread
     blocked in a sub-model is left to the process's exit), the metrics are published when they
     can be, and no pb_utils call happens after finalize."""
     shorten_shutdown(monkeypatch, 0.2)
@@ -267,7 +272,7 @@ def test_shutdown_cleans_up_on_every_path(monkeypatch, path):
     started = time.monotonic()
     pb.finalize(orch)
     assert time.monotonic() - started < 0.2 + 2 * 0.2 + SLACK
-    assert not orch._clock.is_alive()
+    assert not orch.metrics._thread.is_alive()
     stuck = [thread for thread in orch.pool._threads if thread.is_alive()]
     assert len(stuck) == (1 if path == "a thread stuck past the drain" else 0)
     if path != "publishing fails":
@@ -355,6 +360,6 @@ def test_no_container_of_the_runtime_grows_with_traffic(made):
     traffic(200)
     assert footprint(orch) == after_40
     assert len(orch.pool._threads) <= orch.config.subrequest_threads
-    assert orch.out == set() and orch._batches == set()
+    assert orch.out == set()
     codes = {code_of(r.answer) for r in sent}
     assert codes == {"SUCCESS", "INVALID_ARG", "UNAVAILABLE"}, codes

@@ -3,7 +3,7 @@ burst of requests over the r24.10-like fake (tests/unit/fake_pb_utils.py), with 
 parameters.
 
 The burst makes every call the runtime has: answers returned from ``execute`` (the normal
-path), answers the clock sends while the batch still runs (a deadline error, a cancellation,
+path), answers sent while the batch still runs (a deadline error, a cancellation,
 and a success ready early while another group runs on the pool), isolation of a poisoned row and
 of a bug of the pipeline's own, a request without its input, and error answers.
 
@@ -43,7 +43,7 @@ CALLS = ("get_input_tensor_by_name", "as_numpy", "get_response_sender", "request
 # its id gave its group, so the requests whose failure was that delay may succeed.
 READS = ("get_input_tensor_by_name", "as_numpy", "request_id", "timeout",
          "requested_output_names")
-# The first such call is made by the clock (or for an error answer): planned from the start.
+# The first such call is made for an early answer (or for an error answer): planned from the start.
 RARE = ("TritonError", "Logger", "send", "get_response_sender", "is_cancelled")
 
 BUGGY = 43  # the pipeline raises for this image: a bug of the orchestrator's own (logged)
@@ -54,10 +54,10 @@ KNOWN_BUGS: dict[tuple[str, str], str] = {}  # (call, how) -> why its case fails
 class Burst:
     """23 requests in 8 execute calls. Besides ordinary ones: a poisoned one (INVALID_ARG,
     isolated); in one group (its preprocess held 250 ms by ``late``), one whose 100 ms deadline
-    passes (UNAVAILABLE, sent by the clock) and one the client cancelled (CANCELLED, sent by
-    the clock at its first check); one without its input (INVALID_ARG); one the pipeline fails
+    passes (UNAVAILABLE, sent early) and one the client cancelled (CANCELLED, sent
+    at the first check); one without its input (INVALID_ARG); one the pipeline fails
     on (INTERNAL, isolated); and two groups of 10 rows in one call, the first with a 100 ms
-    deadline and done at once, the other held 250 ms (its success sent by the clock)."""
+    deadline and done at once (its success sent at that deadline), the other held 250 ms."""
 
     def __init__(self) -> None:
         self.batches: list[list[Request]] = []
@@ -157,7 +157,7 @@ def test_a_failing_pb_utils_call_leaves_every_request_answered_once_on_time(call
     finally:
         pb.finalize(orch)
     assert pb.violations == []
-    assert not orch._clock.is_alive()
+    assert not orch.metrics._thread.is_alive()
     assert not [t for t in orch.pool._threads if t.is_alive()]
     for gauge in ("bls_inflight_requests", "bls_inflight_subrequests"):
         assert counted(pb, orch, gauge) == 0, gauge
@@ -198,7 +198,7 @@ def check_burst(pb, orch, call: str, how: str) -> None:
 
 def test_the_burst_without_a_fault_meets_every_expectation_on_both_answer_paths():
     """The burst itself, with no fault: each request gets exactly what ``Burst`` says, and the
-    clock sends what it must (the cases above rely on its calls being made)."""
+    early answers are sent (the cases above rely on those calls being made)."""
     pb = FakePbUtils(DirectedRowModels().models())
     expect_exact(pb)
     orch = orchestrator(pb, default_deadline_ms=str(int(DEFAULT_DEADLINE * 1e3)))
@@ -210,8 +210,8 @@ def test_the_burst_without_a_fault_meets_every_expectation_on_both_answer_paths(
         pb.finalize(orch)
     for request in burst.requests:
         assert {code_of(request.answer)} == burst.expected[id(request)], request._id
-    by_clock = sorted(request._id for request in burst.requests if request.sender.sent)
-    assert by_clock == ["cancelled", "early", "slow"]
+    sent_early = sorted(request._id for request in burst.requests if request.sender.sent)
+    assert sent_early == ["cancelled", "early", "slow"]
     for name in CALLS:
         assert pb.faults.calls[name] > 0, f"the burst never calls {name}"
     assert pb.check() == [] and threading.active_count() < 50

@@ -92,7 +92,7 @@ def test_a_kept_output_in_gpu_memory_stays_there_and_feeds_the_next_stage_by_dlp
         (fed,) = pb.inputs[-1]
         assert fed.on_gpu and fed.array is pixels.array
     held = [outputs["PIXELS"]]
-    Backend(pb, "pipeline").release(held)
+    Backend(pb, "pipeline").clear(held)
     assert held == []
 
 
@@ -232,7 +232,7 @@ def test_what_a_late_thread_holds_after_finalize_is_kept_not_destroyed(monkeypat
     backend.finalize()
     kept = DeviceTensor(FakeTensor("PIXELS", np.ones((1, 3)), on_gpu=True))
     held = [kept]
-    backend.release(held)
+    backend.clear(held)
     assert held == []
     assert any(kept in group for group in backend_module._LEFT_AT_SHUTDOWN
                if isinstance(group, list))

@@ -6,7 +6,8 @@ import time
 
 from bls_models.backend import Backend
 from bls_models.errors import Code, Kind
-from bls_models.metrics import FAMILIES, LATENCY_BUCKETS, REQUEST_CODES, Metrics, exposed, known_series
+from bls_models.metrics import FAMILIES, LATENCY_BUCKETS, Metrics, exposed, known_series
+from bls_models.spec import REQUEST_CODES
 
 
 class _Recorded:
@@ -32,6 +33,12 @@ class _Family:
 
 
 class _PbUtils:
+    TRITONSERVER_MEMORY_CPU = 0
+
+    @staticmethod
+    def PreferredMemory(kind, device):  # noqa: N802 - pb_utils' name
+        return (kind, device)
+
     def __init__(self):
         self.log = []
         self.created = []
@@ -84,8 +91,9 @@ def test_histograms_wait_for_their_flush_and_publish_prometheus_series():
     pb = _PbUtils()
     metrics = Metrics(Backend(pb, "pipeline"), "pipeline", stages=["classifier"])
     for seconds in (0.0004, 0.012, 0.012, 0.3, 99.0):  # 99 s: above the last bound
-        metrics.observe("bls_request_latency_seconds", seconds)
-    metrics.observe("bls_stage_latency_seconds", 0.001, stage="classifier")  # on a bound: le
+        metrics.record(observations=[(metrics.key("bls_request_latency_seconds"), seconds)])
+    stage = metrics.key("bls_stage_latency_seconds", stage="classifier")
+    metrics.record(observations=[(stage, 0.001)])  # on a bound: le
     assert pb.log == [] and metrics.flush() == 0, "observations go out with the histograms only"
     calls = metrics.flush(histograms=True)
     assert all(kind == "increment" for kind, _, _ in pb.log), "no per-value observe call"
@@ -120,7 +128,7 @@ def test_a_histogram_series_exposes_every_bucket_at_zero_from_load():
 def test_close_publishes_what_is_pending():
     pb = _PbUtils()
     metrics = Metrics(Backend(pb, "pipeline"), "pipeline")
-    metrics.observe("bls_request_latency_seconds", 0.012)
+    metrics.record(observations=[(metrics.key("bls_request_latency_seconds"), 0.012)])
     metrics.increment("bls_cancelled_requests_total", stage="classifier")
     metrics.close()
     totals = _published(pb)

@@ -179,7 +179,7 @@ def test_tag_pipeline_windows_a_document_and_stitches_each_token_from_its_best_w
     tagger = LocalTagger()
     setup = Setup(options={"window_overlap": overlap}, contracts={"tagger": S.TAGGER_TAGS},
                   max_rows={"tagger": 4})
-    out = drive.run(pipelines.tag_pipeline({"TOKENS": tokens}, drive.Call, setup), tagger)
+    out = drive.drive(pipelines.tag_pipeline({"TOKENS": tokens}, drive.Call, setup), tagger)
     tags, probs = windowed_reference(tokens, overlap)
     np.testing.assert_array_equal(out["TAGS"], tags)
     np.testing.assert_array_equal(out["TAG_PROBS"], probs)
@@ -195,7 +195,7 @@ def test_a_document_of_one_window_is_sent_as_it_is():
     def tagger(sub):
         sent.append(sub.inputs["TOKENS"])
         return LocalTagger()(sub)
-    out = drive.run(pipelines.tag_pipeline({"TOKENS": tokens}, drive.Call, Setup()), tagger)
+    out = drive.drive(pipelines.tag_pipeline({"TOKENS": tokens}, drive.Call, Setup()), tagger)
     assert len(sent) == 1 and np.shares_memory(sent[0], tokens)
     np.testing.assert_array_equal(sent[0], tokens)
     np.testing.assert_array_equal(out["TAGS"], LocalTagger.tag(tokens)[0])

@@ -88,16 +88,19 @@ def test_an_answer_ready_early_leaves_by_its_deadline_not_with_the_batch(made):
 
 
 def test_an_answer_finishing_at_its_deadline_is_given_once_returned_or_sent(made):
-    """Groups finishing around their deadline (30 ms; a preprocess of 10 to 50 ms): the clock
-    sends the deadline's answer, or ``execute`` returns the result, never both, never neither
-    (the fake counts each request's answers), and both happen."""
+    """Groups finishing around their deadline (30 ms; a preprocess of 10 to 50 ms) beside a
+    batch-mate that waits longer: the deadline's answer is sent at once, or ``execute`` returns
+    the result, never both, never neither (the fake counts each request's answers), and both
+    happen."""
     pb = rows_models()
     made.append(orch := orchestrator(pb))
     requests = []
     for trial in range(40):
         request = Request(image_of(20 + trial), timeout_us=30_000,
                           request_id=f"t{trial};preprocess={10 + (trial * 17) % 41}")
-        pb.execute(orch, [request])
+        keeper = Request(image_of(90 + trial), request_id=f"k{trial}", timeout_us=2_000_000)
+        pb.execute(orch, [request, keeper])
+        assert not keeper.answer.has_error()
         requests.append(request)
     codes = [code_of(request.answer) for request in requests]
     assert set(codes) <= {"SUCCESS", "UNAVAILABLE"}, codes
@@ -316,7 +319,9 @@ def test_a_send_that_raises_is_counted_and_execute_goes_on(made):
     made.append(orch := orchestrator(pb))
     pb.faults.plan("send", "always")
     late = Request(image_inputs(), request_id="classifier=0.4", timeout_us=100_000)
-    pb.execute(orch, [late])
+    keeper = Request(image_inputs(), request_id="keeper", timeout_us=2_000_000)
+    pb.execute(orch, [late, keeper])  # late is sent at its deadline: keeper still runs
+    assert not keeper.answer.has_error()
     assert late.answer_attempts == 1 and late.answers == []  # r24.10: the sender is closed
     pb.faults.clear()
     fine = Request(image_inputs())
@@ -369,7 +374,7 @@ def test_the_orchestrators_state_does_not_grow_with_traffic(made):
 def test_no_lock_is_held_across_a_round_trip_to_the_server(made):
     pb = FakePbUtils(sub_models())
     made.append(orch := orchestrator(pb))
-    pb.forbidden_locks += [orch.backend.lock, orch._clock_lock]
+    pb.forbidden_locks += [orch.backend.lock, orch.metrics._lock]
     slow = Request(image_inputs(), request_id="classifier=0.3", timeout_us=150_000)
     cancelled = Request(image_inputs(2), request_id="embedder=0.3")
     cancelled.sender.cancelled.set()
