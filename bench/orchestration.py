@@ -20,7 +20,7 @@ SERVER_ROW = "tritonserver, with the ONNX models (C++ onnxruntime backend)"
 
 # Issue 27's targets with the committed CNNs, each a ratio to the anchor measured in the same run.
 ANCHOR_TARGETS = {"throughput_c16": 0.97, "p50_c1_over_ms": 0.3}
-ANCHOR_ROUNDS = 5
+ANCHOR_ROUNDS = 9
 
 
 def orchestration(ctx: Context) -> Result:

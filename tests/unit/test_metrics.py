@@ -36,7 +36,7 @@ class _PbUtils:
     TRITONSERVER_MEMORY_CPU = 0
 
     @staticmethod
-    def PreferredMemory(kind, device):  # noqa: N802 - pb_utils' name
+    def PreferredMemory(kind, device):
         return (kind, device)
 
     def __init__(self):
