@@ -26,6 +26,7 @@ from unittest import mock
 import numpy as np
 
 from bench.common import output_arguments
+from bench.mutations import plain_wait
 
 ROUNDS = 7
 BATCHES = 1500
@@ -136,10 +137,6 @@ class LeanPbUtils:
 
 
 # -- the mechanisms, and what the plainest BLS does in their place ------------------------------
-def _plain_wait(self, batch, check_at):
-    """What the plainest BLS does: wait until every request has its outcome, nothing more."""
-    while any(job.outcome is None for job in batch.jobs):
-        batch.sleep(1.0)
 
 
 def _plain_validate(self, inputs):
@@ -148,7 +145,7 @@ def _plain_validate(self, inputs):
 
 MECHANISMS = {
     "execute's thread keeps its batch's time (deadlines, stage timeouts, cancellation)": {
-        "bls_models.triton_runtime.Orchestrator._wait": _plain_wait},
+        "bls_models.triton_runtime.Orchestrator._wait": plain_wait},
     "per-request validation before stacking (non-finite values, the pipeline's check)": {
         "bls_models.triton_runtime.Orchestrator._validate": _plain_validate},
     "the gate: a sub-request made only if wanted, with the time left": {

@@ -38,7 +38,9 @@ def _unbounded_offer(self, function, *args):
     return True
 
 
-def _plain_wait(self, batch, check_at):
+def plain_wait(self, batch, check_at):
+    """What the plainest BLS does in ``Orchestrator._wait``'s place: wait until every request
+    has its outcome, nothing more (also the ledger's stand-in)."""
     while any(job.outcome is None for job in batch.jobs):
         batch.sleep(1.0)
 
@@ -77,7 +79,7 @@ MUTATIONS = {
     "clock": ("execute's thread keeps time: answers sent at their deadline while others run",
               [f"{R}::test_a_deadline_both_branches_miss_is_answered_on_time_and_counted_once",
                f"{F}::test_1_a_started_requests_deadline_is_kept_while_another_waits"],
-              lambda: _patch("bls_models.triton_runtime.Orchestrator._wait", _plain_wait)),
+              lambda: _patch("bls_models.triton_runtime.Orchestrator._wait", plain_wait)),
     "stage-timeout": ("a stage's timeout kept, in re-runs too",
                       [f"{F}::test_2_a_stage_timeout_holds_in_a_re_run"],
                       lambda: _patch("bls_models.triton_runtime.Orchestrator._expire",
