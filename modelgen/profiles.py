@@ -47,9 +47,10 @@ PROFILES = ("gpu", "gpu-ort-trt", "gpu-trt")
 DEFAULT_CACHE = "/var/cache/bls"
 # Instances per GPU. The CNNs get 2 so one instance's batch is formed while the other's runs;
 # the taggers return 28.7 MB per sequence and gain nothing from a second copy of their weights;
-# the digits models are tiny (their batches cost less than a sub-request).
+# digits_small is tiny (its batches cost less than a sub-request); digits_large is a CNN like the
+# classifier.
 GPU_INSTANCES = {"preprocess": 1, "classifier": 2, "embedder": 2, "tagger": 1, "tagger_tags": 1,
-                 "postprocess": 1, "digits_small": 1, "digits_large": 1}
+                 "postprocess": 1, "digits_small": 1, "digits_large": 2}
 # Stages served by native TensorRT engines in `gpu-trt`: FP32 in, FP32 out, the heavy networks.
 # (The tagger's INT64 token input and preprocess's UINT8 image stay on ONNX Runtime.)
 TRT_MODELS = ("classifier", "embedder")

@@ -115,18 +115,52 @@ def test_the_threshold_is_a_checked_number():
             definition.parse({"threshold": bad})
 
 
-def test_the_split_is_fixed_and_stratified():
+def test_the_splits_are_fixed_stratified_and_apart():
     from modelgen import digits
 
-    x_train, x_test, y_train, y_test = digits.split()
-    again = digits.split()
-    for first, second in zip((x_train, x_test, y_train, y_test), again):
+    x_train, x_report, y_train, y_report = digits.split()
+    x_valid, y_valid = digits.validation_split()
+    again = (*digits.split(), *digits.validation_split())
+    for first, second in zip((x_train, x_report, y_train, y_report, x_valid, y_valid), again):
         np.testing.assert_array_equal(first, second)
-    assert x_train.shape == (1347, 64) and x_test.shape == (450, 64)
-    assert x_test.dtype == np.float32 and y_test.dtype == np.int64
-    assert 0 <= x_test.min() and x_test.max() <= 16
-    per_digit = np.bincount(np.concatenate([y_train, y_test]))
-    assert np.all(np.abs(np.bincount(y_test) - per_digit / 4) <= 1)  # a quarter of each digit
+    assert (len(x_train), len(x_valid), len(x_report)) == (1077, 270, 450)
+    assert x_report.dtype == np.float32 and y_report.dtype == np.int64
+    assert 0 <= x_report.min() and x_report.max() <= 16
+    per_digit = np.bincount(np.concatenate([y_train, y_valid, y_report]))
+    assert per_digit.sum() == 1797
+    assert np.all(np.abs(np.bincount(y_report) - per_digit / 4) <= 1)  # a quarter of each digit
+    assert np.all(np.abs(np.bincount(y_valid) - per_digit * 3 / 20) <= 1)  # a fifth of the rest
+    # No image is in two parts (load_digits has a few duplicate images; rows are compared by
+    # their index in the data set, recovered from the pixels and label together).
+    from sklearn.datasets import load_digits
+
+    data = load_digits()
+    index = {(row.astype(np.float32).tobytes(), label): i
+             for i, (row, label) in enumerate(zip(data.data, data.target))}
+    parts = [{index[(row.tobytes(), label)] for row, label in zip(x, y)}
+             for x, y in ((x_train, y_train), (x_valid, y_valid), (x_report, y_report))]
+    assert sum(len(part) for part in parts) == len(set().union(*parts))
+
+
+def test_training_is_deterministic(tmp_path):
+    """The same steps of the real networks and plans, twice, uncached: the same bytes."""
+    import io
+
+    import torch
+
+    from modelgen import digits
+
+    for name in digits.MODELS:
+        weights = []
+        for _ in range(2):
+            net = digits.build(name, cache=tmp_path, steps=3)
+            buffer = io.BytesIO()
+            torch.save(net.state_dict(), buffer)
+            weights.append(buffer.getvalue())
+        assert weights[0] == weights[1], name
+        untrained = digits.build(name, cache=tmp_path, steps=0).state_dict()
+        assert any(not torch.equal(untrained[k], v) for k, v in net.state_dict().items())
+    assert not list(tmp_path.iterdir())  # a partial training is never kept
 
 
 def test_the_digits_models_export_byte_identical(tmp_path):
@@ -139,3 +173,20 @@ def test_the_digits_models_export_byte_identical(tmp_path):
             export.export_model(model, path, size="small")
             digests.setdefault(model.name, set()).add(hashlib.sha256(path.read_bytes()).hexdigest())
     assert all(len(found) == 1 for found in digests.values()), digests
+
+
+def test_trained_weights_are_kept_under_what_they_depend_on(tmp_path, monkeypatch):
+    """A network is trained once per fingerprint: the second build loads what the first kept."""
+    from modelgen import digits
+
+    calls = []
+    real = digits._train
+    monkeypatch.setattr(digits, "_train", lambda *a, **k: (calls.append(1), real(*a, **k)))
+    monkeypatch.setitem(digits.TRAINING, S.DIGITS_SMALL.name,
+                        digits.Training(epochs=1, learning_rate=0.01, weight_decay=0.0))
+    first = digits.build(S.DIGITS_SMALL.name, cache=tmp_path).state_dict()
+    second = digits.build(S.DIGITS_SMALL.name, cache=tmp_path).state_dict()
+    assert len(calls) == 1
+    assert [p.name for p in tmp_path.iterdir()] == [
+        f"{S.DIGITS_SMALL.name}-{digits.fingerprint(S.DIGITS_SMALL.name)}.pt"]
+    assert all(np.array_equal(first[k].numpy(), second[k].numpy()) for k in first)
