@@ -74,6 +74,9 @@ class Result:
     summary: list[str] = field(default_factory=list)   # markdown lines
     commands: list[str] = field(default_factory=list)
     plot: dict | None = None                            # {"kind": ..., "series": ...}
+    # More plots an experiment draws itself: suffix -> (title, draw(path)), written as
+    # <name>-<suffix>.png.
+    figures: dict = field(default_factory=dict)
     data: dict = field(default_factory=dict)            # machine-readable outcome (JSON)
 
     def add(self, variant: str, point: Point, protocol: str = "grpc", errors: int = 0, **extra):

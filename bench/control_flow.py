@@ -23,6 +23,7 @@ the figures are the medians of the rounds.
 from __future__ import annotations
 
 import asyncio
+import os
 import re
 import statistics
 import tempfile
@@ -68,11 +69,13 @@ def _moved(before: dict, after: dict, metric: str, model: str) -> float:
 
 
 async def drive(url: str, model: str, requests: list[dict[str, np.ndarray]], concurrency: int,
-                outputs: tuple[str, ...] = (), warmup: int = 0) -> tuple[float, list]:
+                outputs: tuple[str, ...] = (), warmup: int = 0,
+                latencies: list[float] | None = None) -> tuple[float, list]:
     """Send ``requests`` (each {input name: array}) to ``model`` with ``concurrency`` in flight
     on one asyncio gRPC client, asking for ``outputs`` (all when empty); returns (wall seconds
     of the measured ones, their results in order). The first ``warmup`` are sent first and not
-    measured."""
+    measured. ``latencies``, if given, gets each measured request's seconds from send to
+    answer."""
     import tritonclient.grpc.aio as grpcaio
     from tritonclient.utils import np_to_triton_dtype
 
@@ -87,10 +90,16 @@ async def drive(url: str, model: str, requests: list[dict[str, np.ndarray]], con
             tensor.set_data_from_numpy(data)
             tensors.append(tensor)
         async with slots:
-            return await client.infer(model, tensors, outputs=wanted, client_timeout=300)
+            sent = time.monotonic()
+            answer = await client.infer(model, tensors, outputs=wanted, client_timeout=300)
+            if timed is not None:
+                timed.append(time.monotonic() - sent)
+            return answer
 
     try:
+        timed = None
         await asyncio.gather(*(one(inputs) for inputs in requests[:warmup]))
+        timed = latencies
         started = time.monotonic()
         results = await asyncio.gather(*(one(inputs) for inputs in requests[warmup:]))
         return time.monotonic() - started, results
@@ -230,13 +239,16 @@ def _windowing(result, url: str, quick: bool) -> dict:
 
 
 # -- cascade ---------------------------------------------------------------------------------------
-CASCADE_THRESHOLDS = (0.5, float(S.CASCADE_THRESHOLD.default), 0.95)
-CASCADE_CONCURRENCY = 16
+COMMITTED_THRESHOLD = float(S.CASCADE_THRESHOLD.default)
+CASCADE_THRESHOLDS = (0.4, COMMITTED_THRESHOLD, 0.9)
+CASCADE_CONCURRENCIES = (1, 16, 64)
+CASCADE_SIZES = (1, 16)  # images per request
+PLOT_CELL = (16, 1)      # (concurrency, images per request) of the accuracy/throughput plot
 
 
 def cascade_model(threshold: float) -> str:
     """The served cascade at ``threshold``: the committed model, or a variant of it."""
-    if threshold == float(S.CASCADE_THRESHOLD.default):
+    if threshold == COMMITTED_THRESHOLD:
         return S.DIGITS_CASCADE.name
     return f"{S.DIGITS_CASCADE.name}_{round(100 * threshold):03d}"
 
@@ -251,69 +263,177 @@ def cascade_variants(repository: Path) -> list:
             for t in CASCADE_THRESHOLDS if cascade_model(t) != S.DIGITS_CASCADE.name]
 
 
+def _cascade_subjects() -> list[tuple[str, str]]:
+    return [(S.DIGITS_SMALL.name, "`digits_small` alone"),
+            (S.DIGITS_LARGE.name, "`digits_large` alone"),
+            *[(cascade_model(t), f"`digits_cascade` at {t:g}") for t in CASCADE_THRESHOLDS],
+            (S.DIGITS_ENSEMBLE.name, "`digits_ensemble` (both, every row)")]
+
+
+def _digits_answered(model: str, answers: list) -> tuple[np.ndarray, np.ndarray | None]:
+    """(digit per image, escalated per image or None) from ``model``'s answers, in order."""
+    if model == S.DIGITS_ENSEMBLE.name:
+        return np.concatenate([a.as_numpy(S.LARGE_PROBS.name).argmax(axis=1) for a in answers]), None
+    if model in (S.DIGITS_SMALL.name, S.DIGITS_LARGE.name):
+        digit = np.concatenate([a.as_numpy(S.DIGIT_PROBS.name).argmax(axis=1) for a in answers])
+        return digit, np.full(len(digit), model == S.DIGITS_LARGE.name)
+    return (np.concatenate([a.as_numpy(S.DIGIT.name)[:, 0] for a in answers]),
+            np.concatenate([a.as_numpy(S.ESCALATED.name)[:, 0] for a in answers]))
+
+
+def _cascade_requests(pixels: np.ndarray, concurrency: int, size: int, quick: bool) -> list:
+    """One image per request: every reporting image once. ``size`` per request: requests
+    cycling through the reporting images, enough for several rounds of ``concurrency``."""
+    if size == 1:
+        return [{S.DIGIT_PIXELS.name: pixels[i:i + 1]} for i in range(len(pixels))]
+    count = max(8 if quick else 32, 4 * concurrency)
+    rows = np.arange(count * size) % len(pixels)
+    return [{S.DIGIT_PIXELS.name: pixels[rows[i * size:(i + 1) * size]]} for i in range(count)]
+
+
 def _cascade(result, url: str, repository: Path, quick: bool) -> dict:
     from modelgen import digits
 
-    _, x_test, _, y_test = digits.split()
+    _, x_report, _, y_report = digits.split()
     if quick:
-        x_test, y_test = x_test[:64], y_test[:64]
-    rows = [{S.DIGIT_PIXELS.name: x_test[i:i + 1]} for i in range(len(x_test))]
-    subjects = [(S.DIGITS_SMALL.name, "`digits_small` alone"),
-                (S.DIGITS_LARGE.name, "`digits_large` alone"),
-                *[(cascade_model(t), f"`digits_cascade` at {t:g}") for t in CASCADE_THRESHOLDS],
-                (S.DIGITS_ENSEMBLE.name, "`digits_ensemble` (both, always)")]
+        x_report, y_report = x_report[:64], y_report[:64]
+    subjects = _cascade_subjects()
     rounds = 1 if quick else 3
-    rates: dict[str, list[float]] = {}
+    cells = [(c, n) for n in CASCADE_SIZES for c in CASCADE_CONCURRENCIES]
+    rates: dict[tuple[str, int, int], list[float]] = {}
+    p50s: dict[tuple[str, int, int], list[float]] = {}
+    p99s: dict[tuple[str, int, int], list[float]] = {}
     outcome: dict[str, tuple[float, float | None]] = {}
     for round_ in range(rounds):
-        for model, label in subjects:
-            wall, answers = run(drive(url, model, rows, CASCADE_CONCURRENCY, warmup=32))
-            truth = y_test[32:]  # the measured ones
-            if model == S.DIGITS_ENSEMBLE.name:
-                digit = np.array([a.as_numpy("LARGE_PROBS")[0].argmax() for a in answers])
-                escalated = None
-            elif model in (S.DIGITS_SMALL.name, S.DIGITS_LARGE.name):
-                digit = np.array([a.as_numpy(S.DIGIT_PROBS.name)[0].argmax() for a in answers])
-                escalated = float(model == S.DIGITS_LARGE.name)
-            else:
-                digit = np.array([a.as_numpy(S.DIGIT.name)[0, 0] for a in answers])
-                escalated = float(np.mean([a.as_numpy(S.ESCALATED.name)[0, 0] for a in answers]))
-            accuracy = float((digit == truth).mean())
-            outcome[label] = (accuracy, escalated)
-            rate = len(answers) / wall
-            rates.setdefault(label, []).append(rate)
-            result.rows.append({"experiment": result.name, "part": "cascade", "variant": label,
-                                "model": model, "round": round_ + 1,
-                                "concurrency": CASCADE_CONCURRENCY, "throughput": rate,
-                                "accuracy": accuracy, "escalated": escalated})
+        for concurrency, size in cells:
+            requests = _cascade_requests(x_report, concurrency, size, quick)
+            for model, label in subjects:
+                warm = [requests[i % len(requests)] for i in range(max(16, 2 * concurrency))]
+                run(drive(url, model, warm, concurrency))
+                latencies: list[float] = []
+                wall, answers = run(drive(url, model, requests, concurrency,
+                                          latencies=latencies))
+                images = sum(len(r[S.DIGIT_PIXELS.name]) for r in requests)
+                rate = images / wall
+                key = (label, concurrency, size)
+                rates.setdefault(key, []).append(rate)
+                p50s.setdefault(key, []).append(1e3 * float(np.percentile(latencies, 50)))
+                p99s.setdefault(key, []).append(1e3 * float(np.percentile(latencies, 99)))
+                row = {"experiment": result.name, "part": "cascade", "variant": label,
+                       "model": model, "round": round_ + 1, "concurrency": concurrency,
+                       "images_per_request": size, "images": images, "throughput": rate,
+                       "p50_ms": p50s[key][-1], "p99_ms": p99s[key][-1]}
+                if size == 1:  # every reporting image once, in order: the served accuracy
+                    digit, escalated = _digits_answered(model, answers)
+                    accuracy = float((digit == y_report).mean())
+                    share = None if escalated is None else float(escalated.mean())
+                    outcome[label] = (accuracy, share)
+                    row.update(accuracy=accuracy, escalated=share)
+                result.rows.append(row)
     in_process = {m.what: m for m in digits.evaluate(repository, CASCADE_THRESHOLDS)}
-    medians = {label: statistics.median(values) for label, values in rates.items()}
-    result.summary += [
-        f"**Cascade** (the held-out split of scikit-learn's digits, {len(truth)} images after 32 "
-        f"warm-up, one image per request, concurrency {CASCADE_CONCURRENCY}, {rounds} "
-        "interleaved rounds, median throughput; accuracy and the share escalated as served, "
-        "and in-process with ONNX Runtime on all 450 held-out images):", "",
-        "| served | accuracy | escalated | throughput (images/s) | in-process accuracy, "
-        "escalated |", "|---|---|---|---|---|"]
+    rate = {key: statistics.median(values) for key, values in rates.items()}
+    p50 = {key: statistics.median(values) for key, values in p50s.items()}
+    p99 = {key: statistics.median(values) for key, values in p99s.items()}
     names = {"`digits_small` alone": S.DIGITS_SMALL.name, "`digits_large` alone":
              S.DIGITS_LARGE.name, **{f"`digits_cascade` at {t:g}": f"cascade at {t:g}"
                                      for t in CASCADE_THRESHOLDS}}
-    for label, rate in medians.items():
+    result.summary += [
+        f"**Cascade** (the reporting split of scikit-learn's digits, {len(y_report)} images "
+        "apart from training and from the validation split the threshold was chosen on; "
+        f"committed threshold {COMMITTED_THRESHOLD:g}; {rounds} interleaved rounds, medians). "
+        "Accuracy and the share of rows escalated as served, one image per request (every "
+        "reporting image once), and in-process with ONNX Runtime on the same files:", "",
+        "| served | accuracy | escalated | in-process accuracy, escalated |", "|---|---|---|---|"]
+    for _, label in subjects:
         accuracy, escalated = outcome[label]
         local = in_process.get(names.get(label, ""))
         result.summary.append(
             f"| {label} | {100 * accuracy:.2f} % | "
-            f"{'–' if escalated is None else f'{100 * escalated:.1f} %'} | {rate:.0f} | "
+            f"{'–' if escalated is None else f'{100 * escalated:.1f} %'} | "
             + (f"{100 * local.accuracy:.2f} %, {100 * local.escalated:.1f} %" if local else "–")
             + " |")
+    for size in CASCADE_SIZES:
+        result.summary += [
+            "", f"Images/s and latency (ms, per request at the client), {size} "
+            f"image{'s' if size > 1 else ''} per request"
+            + (" (every reporting image once per cell)" if size == 1 else
+               " (requests cycling through the reporting images, at least 32 and 4 per "
+               "client)") + ":", "",
+            "| served | " + " | ".join(f"c={c} images/s | p50 | p99" for c in
+                                        CASCADE_CONCURRENCIES) + " |",
+            "|---|" + "---|---|---|" * len(CASCADE_CONCURRENCIES)]
+        for _, label in subjects:
+            result.summary.append(f"| {label} | " + " | ".join(
+                f"{rate[(label, c, size)]:.0f} | {p50[(label, c, size)]:.1f} | "
+                f"{p99[(label, c, size)]:.1f}" for c in CASCADE_CONCURRENCIES) + " |")
     result.summary.append("")
-    committed = f"`digits_cascade` at {float(S.CASCADE_THRESHOLD.default):g}"
+    committed = f"`digits_cascade` at {COMMITTED_THRESHOLD:g}"
+    large, ensemble = "`digits_large` alone", "`digits_ensemble` (both, every row)"
+    figures = {"throughput": {f"{label}, c={c}, {n}/request": round(v, 1)
+                              for (label, c, n), v in rate.items()},
+               "p50_ms": {f"{label}, c={c}, {n}/request": round(v, 2)
+                          for (label, c, n), v in p50.items()},
+               "p99_ms": {f"{label}, c={c}, {n}/request": round(v, 2)
+                          for (label, c, n), v in p99.items()}}
+    result.figures["cascade"] = ("Digits: accuracy against images/s", lambda path: _plot_cascade(
+        path, subjects, outcome, rate, rounds))
     return {"accuracy": {label: round(a, 4) for label, (a, _) in outcome.items()},
             "escalated": {label: e for label, (_, e) in outcome.items()},
-            "throughput": {label: round(r, 1) for label, r in medians.items()},
-            "committed": committed,
-            "points_below_large": round(100 * (outcome["`digits_large` alone"][0]
-                                               - outcome[committed][0]), 2)}
+            **figures, "committed": committed,
+            "over_ensemble_c16": round(rate[(committed, 16, 1)] / rate[(ensemble, 16, 1)], 2),
+            "over_large_c16": round(rate[(committed, 16, 1)] / rate[(large, 16, 1)], 2),
+            "over_ensemble_c16_16": round(rate[(committed, 16, 16)] / rate[(ensemble, 16, 16)], 2),
+            "over_large_c16_16": round(rate[(committed, 16, 16)] / rate[(large, 16, 16)], 2),
+            "p50_c1_over_large": round(p50[(committed, 1, 1)] / p50[(large, 1, 1)], 2),
+            "points_below_large": round(100 * (outcome[large][0] - outcome[committed][0]), 2)}
+
+
+def _plot_cascade(path: Path, subjects, outcome: dict, rate: dict, rounds: int) -> None:
+    """Accuracy against images/s at ``PLOT_CELL``: the cascade's thresholds as a line, each
+    model alone and the ensemble as points."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    concurrency, size = PLOT_CELL
+    fig, ax = plt.subplots(figsize=(8, 5))
+    cascades = [(label, t) for (_, label), t in zip(subjects[2:5], CASCADE_THRESHOLDS)]
+    xs = [rate[(label, concurrency, size)] for label, _ in cascades]
+    ys = [100 * outcome[label][0] for label, _ in cascades]
+    ax.plot(xs, ys, marker="o", color="tab:blue", label="digits_cascade at a threshold")
+    for index, ((label, threshold), x, y) in enumerate(zip(cascades, xs, ys)):
+        share = outcome[label][1]
+        committed = " (committed)" if threshold == COMMITTED_THRESHOLD else ""
+        ax.annotate(f"{threshold:g}{committed}\n{100 * share:.1f} % escalated", (x, y),
+                    textcoords="offset points", xytext=(-20, -26 if index % 2 else 10),
+                    fontsize=8)
+    for (_, label), marker in zip((subjects[0], subjects[1], subjects[5]), ("s", "^", "D")):
+        x, y = rate[(label, concurrency, size)], 100 * outcome[label][0]
+        ax.scatter([x], [y], marker=marker, s=60, label=label.replace("`", ""), zorder=3)
+    ax.set_xscale("log")
+    ax.set_xlabel(f"images/s (concurrency {concurrency}, {size} image per request; log scale)")
+    ax.set_ylabel("accuracy on the reporting split (%)")
+    ax.set_title(f"Digits: accuracy against throughput ({rounds} rounds, medians)")
+    ax.grid(True, alpha=0.3)
+    ax.legend(loc="center left", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _cascade_targets(cascade: dict) -> list[str]:
+    return [
+        target_line("cascade / `digits_ensemble` images/s, c=16, one image per request",
+                    cascade["over_ensemble_c16"], 2.5, "higher"),
+        target_line("cascade / `digits_large` alone images/s, c=16, one image per request",
+                    cascade["over_large_c16"], 2.0, "higher"),
+        target_line("cascade accuracy minus `digits_large` alone, reporting split, points "
+                    "(served)", 0.0 - cascade["points_below_large"], -0.3, "higher"),
+        target_line("share of rows escalated at the committed threshold",
+                    cascade["escalated"][cascade["committed"]], 0.15, "lower"),
+        target_line("cascade p50 at c=1 / `digits_large` alone", cascade["p50_c1_over_large"],
+                    1.0, "lower")]
 
 
 # -- the experiment --------------------------------------------------------------------------------
@@ -324,6 +444,12 @@ def control_flow(ctx: Context) -> Result:
     # Each subject a few seconds per round: this host's speed moves by tens of per cent within
     # minutes, so rounds are many and short, interleaved.
     count, rounds = (16, 1) if quick else (480, 5)
+    parts = os.environ.get("CONTROL_FLOW_PARTS", "pruning,windowing,cascade").split(",")
+    if parts == ["cascade"]:  # a cascade-only run (its summary lacks the other parts)
+        cascade = _cascade(result, ctx.server.grpc_url, ctx.repository, quick)
+        result.data.update(cascade=cascade)
+        result.summary += ["**Targets**", "", *_cascade_targets(cascade)]
+        return result
     committed = _pruning(result, ctx.server.grpc_url, ctx.server.metrics_url,
                          "committed CNNs", count // 2 if not quick else count, rounds)
     with tempfile.TemporaryDirectory(prefix="bench-fast-") as tmp:
@@ -348,11 +474,7 @@ def control_flow(ctx: Context) -> Result:
                     "CNNs, minus the same for \"all outputs\"", classes_only, 0.0, "higher"),
         target_line("8 192-token documents: tokens/s, BLS / client-side windows",
                     windowing["ratio"][str(8192)], 1.0, "higher"),
-        target_line("cascade at the committed threshold: accuracy points below "
-                    "`digits_large` alone (served)", cascade["points_below_large"],
-                    0.5, "lower"),
-        target_line("cascade at the committed threshold: share of rows escalated",
-                    cascade["escalated"][cascade["committed"]], 0.2, "lower")]
+        *_cascade_targets(cascade)]
     result.plot = {"kind": "bars", "title": "Throughput by outputs asked for (concurrency "
                    f"{CONCURRENCY})", "filter": {"part": "pruning"}, "value": "throughput",
                    "label": ["regime", "variant"], "xlabel": "requests/s"}

@@ -88,7 +88,12 @@ def write(result, out: Path, triton_version: str, settings) -> None:
             writer = csv.DictWriter(handle, fieldnames=fields)
             writer.writeheader()
             writer.writerows(result.rows)
+    figures = {}
+    for suffix, (title, draw) in result.figures.items():
+        draw(out / f"{result.name}-{suffix}.png")
+        figures[f"{result.name}-{suffix}.png"] = title
     meta = {"name": result.name, "title": result.title, "summary": result.summary,
+            "figures": figures,
             "commands": result.commands, "data": result.data, "triton": triton_version,
             "quick": settings.quick,
             "settings": vars(settings), "machine": started(),
@@ -208,6 +213,9 @@ def assemble(out: Path, title: str = "Benchmark report",
         lines += _separate_tables(meta["summary"]) + [""]
         if (out / f"{name}.png").exists():
             lines += [f"![{meta['title']}]({name}.png)", ""]
+        for file, title in meta.get("figures", {}).items():
+            if (out / file).exists():
+                lines += [f"![{title}]({file})", ""]
         if meta["commands"]:
             lines += ["<details><summary>perf_analyzer command lines</summary>", "", "```"]
             lines += list(dict.fromkeys(meta["commands"])) + ["```", "", "</details>", ""]

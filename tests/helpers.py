@@ -387,6 +387,9 @@ DEPLOY = ROOT / "deploy"
 GPU_ONLY = {"nv_gpu_utilization", "nv_gpu_memory_used_bytes", "nv_gpu_memory_total_bytes"}
 EXTENDING_PAGE = ROOT / "docs" / "extending.md"
 EXTENDING_NAME = "image_embedding"  # the pipeline docs/extending.md builds
+CASCADE_PAGE = ROOT / "docs" / "cascade.md"
+CASCADE_SECTION = "## Your own cascade"  # docs/cascade.md's template for users
+CASCADE_TEMPLATE_NAME = "my_cascade"  # the pipeline that section builds
 
 
 def referenced_metrics() -> set[str]:
@@ -397,35 +400,69 @@ def referenced_metrics() -> set[str]:
     return set(re.findall(r"\b((?:nv|bls)_[a-z_]+)\b", "\n".join(texts)))
 
 
+def _model_py_block(text: str, marker: str) -> str:
+    """The ```python block right after the ``<!-- marker -->`` line of ``text``."""
+    opening = f"<!-- {marker} -->\n```python\n"
+    assert opening in text, f"the page lost its {marker} block"
+    return text.split(opening, 1)[1].split("\n```\n", 1)[0] + "\n"
+
+
+def _config_command(text: str, where: str) -> list[str]:
+    """The ``.venv/bin/python -m modelgen.configs --pipeline ...`` line of ``text``, run with
+    this Python."""
+    match = re.search(r"^\.venv/bin/python (-m modelgen\.configs --pipeline \S+)$", text,
+                      re.MULTILINE)
+    assert match, f"{where} lost its config command"
+    return [sys.executable, *shlex.split(match.group(1))]
+
+
 def page_model_py() -> str:
     """docs/extending.md's model.py block."""
-    text = EXTENDING_PAGE.read_text()
-    block = text.split("<!-- extending: model.py -->\n```python\n", 1)[1]
-    return block.split("\n```\n", 1)[0] + "\n"
+    return _model_py_block(EXTENDING_PAGE.read_text(), "extending: model.py")
 
 
 def page_config_command() -> list[str]:
     """docs/extending.md's `python -m modelgen.configs --pipeline ...` command, run with this
     Python."""
-    match = re.search(r"^\.venv/bin/python (-m modelgen\.configs --pipeline \S+)$",
-                      EXTENDING_PAGE.read_text(), re.MULTILINE)
-    assert match, "docs/extending.md lost its config command"
-    return [sys.executable, *shlex.split(match.group(1))]
+    return _config_command(EXTENDING_PAGE.read_text(), "docs/extending.md")
 
 
-def extending_checkout(work: Path, repository: Path, model_py: str) -> Path:
-    """A user's checkout as docs/extending.md builds it in ``work``: the project's stage models
-    (linked from ``repository``), ``model_py`` as the page's pipeline, and its config written by
-    the page's command. Returns the checkout's model repository."""
+def cascade_page_section() -> str:
+    """docs/cascade.md's section for users' own cascades (up to the next section, if any)."""
+    text = CASCADE_PAGE.read_text()
+    assert f"\n{CASCADE_SECTION}\n" in text, f"docs/cascade.md lost its '{CASCADE_SECTION}'"
+    return text.split(f"\n{CASCADE_SECTION}\n", 1)[1].split("\n## ", 1)[0]
+
+
+def cascade_page_model_py() -> str:
+    """The model.py block of docs/cascade.md's section for users' own cascades."""
+    return _model_py_block(cascade_page_section(), "cascade: model.py")
+
+
+def cascade_page_config_command() -> list[str]:
+    """That section's `python -m modelgen.configs --pipeline ...` command, run with this
+    Python."""
+    return _config_command(cascade_page_section(), f"docs/cascade.md's '{CASCADE_SECTION}'")
+
+
+def extending_checkout(work: Path, repository: Path, model_py: str, *,
+                       name: str = EXTENDING_NAME,
+                       stage_models: tuple[S.ModelSpec, ...] = (S.PREPROCESS, S.EMBEDDER,
+                                                                S.CLASSIFIER),
+                       command: list[str] | None = None) -> Path:
+    """A user's checkout as a page builds it in ``work``: the project's ``stage_models`` (linked
+    from ``repository``), ``model_py`` as the page's pipeline ``name``, and its config written by
+    the page's ``command`` (by default, docs/extending.md's pipeline and command). Returns the
+    checkout's model repository."""
     repo = work / "model_repository"
     repo.mkdir()
-    for stage_model in (S.PREPROCESS, S.EMBEDDER, S.CLASSIFIER):
+    for stage_model in stage_models:
         (repo / stage_model.name).symlink_to(repository / stage_model.name)
-    path = repo / EXTENDING_NAME / "1" / "model.py"
+    path = repo / name / "1" / "model.py"
     path.parent.mkdir(parents=True)
     path.write_text(model_py)
-    written = subprocess.run(page_config_command(), cwd=work, capture_output=True, text=True,
-                             timeout=120)
+    written = subprocess.run(command or page_config_command(), cwd=work, capture_output=True,
+                             text=True, timeout=120)
     assert written.returncode == 0, written.stderr
     return repo
 
