@@ -291,6 +291,30 @@ def _cascade_requests(pixels: np.ndarray, concurrency: int, size: int, quick: bo
     return [{S.DIGIT_PIXELS.name: pixels[rows[i * size:(i + 1) * size]]} for i in range(count)]
 
 
+def _compute(url: str, model: str) -> tuple[int, int]:
+    """(rows run, nanoseconds its batches spent in compute_infer) of ``model`` so far, from
+    Triton's statistics.
+    An ensemble or a BLS model's own figures are not its sub-models': (0, 0) for them."""
+    import tritonclient.grpc as grpcclient
+
+    if model not in (S.DIGITS_SMALL.name, S.DIGITS_LARGE.name):
+        return 0, 0
+    client = grpcclient.InferenceServerClient(url)
+    try:
+        (stats,) = client.get_inference_statistics(model, as_json=True)["model_stats"]
+    finally:
+        client.close()
+    # Per batch size: a request's own statistics charge it its whole batch's time.
+    batches = stats.get("batch_stats", [])
+    return (sum(int(b["batch_size"]) * int(b["compute_infer"]["count"]) for b in batches),
+            sum(int(b["compute_infer"]["ns"]) for b in batches))
+
+
+def _per_row(before: tuple[int, int], after: tuple[int, int]) -> float | None:
+    rows = after[0] - before[0]
+    return (after[1] - before[1]) / rows / 1e6 if rows else None
+
+
 def _cascade(result, url: str, repository: Path, quick: bool) -> dict:
     from modelgen import digits
 
@@ -304,6 +328,7 @@ def _cascade(result, url: str, repository: Path, quick: bool) -> dict:
     p50s: dict[tuple[str, int, int], list[float]] = {}
     p99s: dict[tuple[str, int, int], list[float]] = {}
     outcome: dict[str, tuple[float, float | None]] = {}
+    large_cost: dict[tuple[int, int], list[float]] = {}
     for round_ in range(rounds):
         for concurrency, size in cells:
             requests = _cascade_requests(x_report, concurrency, size, quick)
@@ -311,8 +336,10 @@ def _cascade(result, url: str, repository: Path, quick: bool) -> dict:
                 warm = [requests[i % len(requests)] for i in range(max(16, 2 * concurrency))]
                 run(drive(url, model, warm, concurrency))
                 latencies: list[float] = []
+                before = _compute(url, model)
                 wall, answers = run(drive(url, model, requests, concurrency,
                                           latencies=latencies))
+                after = _compute(url, model)
                 images = sum(len(r[S.DIGIT_PIXELS.name]) for r in requests)
                 rate = images / wall
                 key = (label, concurrency, size)
@@ -322,7 +349,10 @@ def _cascade(result, url: str, repository: Path, quick: bool) -> dict:
                 row = {"experiment": result.name, "part": "cascade", "variant": label,
                        "model": model, "round": round_ + 1, "concurrency": concurrency,
                        "images_per_request": size, "images": images, "throughput": rate,
-                       "p50_ms": p50s[key][-1], "p99_ms": p99s[key][-1]}
+                       "p50_ms": p50s[key][-1], "p99_ms": p99s[key][-1],
+                       "compute_ms_per_row": _per_row(before, after)}
+                if model == S.DIGITS_LARGE.name:
+                    large_cost.setdefault((concurrency, size), []).append(_per_row(before, after))
                 if size == 1:  # every reporting image once, in order: the served accuracy
                     digit, escalated = _digits_answered(model, answers)
                     accuracy = float((digit == y_report).mean())
@@ -366,7 +396,14 @@ def _cascade(result, url: str, repository: Path, quick: bool) -> dict:
             result.summary.append(f"| {label} | " + " | ".join(
                 f"{rate[(label, c, size)]:.0f} | {p50[(label, c, size)]:.1f} | "
                 f"{p99[(label, c, size)]:.1f}" for c in CASCADE_CONCURRENCIES) + " |")
-    result.summary.append("")
+    cost = {cell: statistics.median(values) for cell, values in large_cost.items()}
+    result.summary += ["", "`digits_large`'s compute per row in Triton's onnxruntime backend "
+                       "(the `compute_infer` time of its batches over their rows, from Triton's "
+                       "statistics, one ONNX Runtime thread per instance; above c=1 two instances"
+                       " share the host's cores with the server and the client), while served "
+                       "alone: " + ", ".join(
+                           f"c={c}, {n}/request **{value:.2f} ms**"
+                           for (c, n), value in cost.items()) + ".", ""]
     committed = f"`digits_cascade` at {COMMITTED_THRESHOLD:g}"
     large, ensemble = "`digits_large` alone", "`digits_ensemble` (both, every row)"
     figures = {"throughput": {f"{label}, c={c}, {n}/request": round(v, 1)
@@ -385,6 +422,8 @@ def _cascade(result, url: str, repository: Path, quick: bool) -> dict:
             "over_ensemble_c16_16": round(rate[(committed, 16, 16)] / rate[(ensemble, 16, 16)], 2),
             "over_large_c16_16": round(rate[(committed, 16, 16)] / rate[(large, 16, 16)], 2),
             "p50_c1_over_large": round(p50[(committed, 1, 1)] / p50[(large, 1, 1)], 2),
+            "large_compute_ms_per_row": {f"c={c}, {n}/request": round(v, 3)
+                                         for (c, n), v in cost.items()},
             "points_below_large": round(100 * (outcome[large][0] - outcome[committed][0]), 2)}
 
 
