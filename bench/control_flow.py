@@ -445,12 +445,13 @@ def _plot_cascade(path: Path, subjects, outcome: dict, rate: dict, rounds: int) 
         share = outcome[label][1]
         committed = " (committed)" if threshold == COMMITTED_THRESHOLD else ""
         ax.annotate(f"{threshold:g}{committed}\n{100 * share:.1f} % escalated", (x, y),
-                    textcoords="offset points", xytext=(-20, -26 if index % 2 else 10),
+                    textcoords="offset points", xytext=(-20, -52 if index % 2 else -28),
                     fontsize=8)
     for (_, label), marker in zip((subjects[0], subjects[1], subjects[5]), ("s", "^", "D")):
         x, y = rate[(label, concurrency, size)], 100 * outcome[label][0]
         ax.scatter([x], [y], marker=marker, s=60, label=label.replace("`", ""), zorder=3)
     ax.set_xscale("log")
+    ax.margins(x=0.1, y=0.25)
     ax.set_xlabel(f"images/s (concurrency {concurrency}, {size} image per request; log scale)")
     ax.set_ylabel("accuracy on the reporting split (%)")
     ax.set_title(f"Digits: accuracy against throughput ({rounds} rounds, medians)")

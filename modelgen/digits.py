@@ -10,13 +10,15 @@ measured). Both networks take the raw pixels (DIGIT_PIXELS) and answer softmax p
 - ``digits_small``: an MLP 64 -> 32 -> 10, the cheap first opinion (microseconds per row),
   trained with label smoothing so that its top probability ranks its doubtful rows well.
 - ``digits_large``: a convolutional network over the image scaled up to 48x48 (six 3x3
-  convolutions of 64 to 256 channels): it stands for a real large model, with about 0.45 GFLOP
-  per row, several milliseconds of one CPU thread (docs/cascade.md has the measured figure).
+  convolutions of 64 to 256 channels): it stands for a real large model, with about 340 million
+  multiply-adds per row, several milliseconds of one CPU thread (docs/cascade.md has the
+  measured figure).
 
 Training is deterministic: fixed seeds, a fixed thread count, deterministic algorithms and a
 seeded shuffle, so two trainings on one host give byte-identical weights and exports. The
-trained weights are kept in ``CACHE`` under a fingerprint of what they depend on (this file, the
-torch and scikit-learn versions), so ``make models`` trains each network once.
+trained weights are kept in ``CACHE`` under a fingerprint of what they depend on (the code that
+splits, builds and trains, the constants and plan, the torch and scikit-learn versions), so
+``make models`` trains each network once.
 
 ``python -m modelgen.digits`` prints the accuracy of each model alone and of the cascade at a few
 thresholds, with the share of rows escalated, on the validation and reporting splits, and the
@@ -155,13 +157,21 @@ TRAINING = {S.DIGITS_SMALL.name: Training(epochs=60, learning_rate=0.01, weight_
 
 
 def fingerprint(name: str) -> str:
-    """What ``name``'s trained weights depend on: this file and the torch and scikit-learn
-    versions (the data ships with scikit-learn)."""
+    """What ``name``'s trained weights depend on: the code that splits the data, defines the
+    networks and trains them, the constants and plan they use, and the torch and scikit-learn
+    versions (the data ships with scikit-learn). The module's docstring and the measurement code
+    are not part of it: editing them retrains nothing."""
+    import inspect
+
     import sklearn
     import torch
 
-    digest = hashlib.sha256(Path(__file__).read_bytes())
-    digest.update(f"{name}|{torch.__version__}|{sklearn.__version__}".encode())
+    digest = hashlib.sha256()
+    for function in (_parts, _networks, _train, build):
+        digest.update(inspect.getsource(function).encode())
+    digest.update(repr((name, SEEDS[name], TRAINING[name], SPLIT_SEED, VALIDATION_SEED,
+                        SMALL_HIDDEN, PIXEL_MAX, UPSCALED, WIDTH, torch.__version__,
+                        sklearn.__version__)).encode())
     return digest.hexdigest()[:16]
 
 
