@@ -53,13 +53,13 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
 .DEFAULT_GOAL := help
-.PHONY: help venv backend backend-gpu gpu-host models configs serve lint test test-unit bench bench-pb-calls bench-recovery bench-poison-load bench-ledger soak clean docker-build docker-run test-container gpu-check
-BENCH_EXPERIMENTS := ort_options orchestration overhead fanout designs large_output clients tuning overload control_flow
+.PHONY: tune help venv backend backend-gpu gpu-host models configs serve lint test test-unit bench bench-pb-calls bench-recovery bench-poison-load bench-ledger soak clean docker-build docker-run test-container gpu-check
+BENCH_EXPERIMENTS := ort_options orchestration overhead fanout designs large_output clients overload control_flow
 
 help: ## Show this help
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-15s %s\n", $$1, $$2}'
 	@echo "  make bench-<experiment>  one experiment: $(BENCH_EXPERIMENTS)"
-	@echo "  Variables: HTTP_PORT GRPC_PORT METRICS_PORT MODEL_REPOSITORY MODEL_SIZE=small|full|fast PYTEST_ARGS SOAK_ARGS CHAOS=1"
+	@echo "  Variables: HTTP_PORT GRPC_PORT METRICS_PORT MODEL_REPOSITORY MODEL_SIZE=small|full|fast PYTEST_ARGS SOAK_ARGS CHAOS=1 MODEL BUDGET_MS"
 	@echo "  Backend:   TRITON_SOURCES=$(TRITON_SOURCES) ORT_HEADERS=$(ORT_HEADERS) BACKEND_CACHE=$(BACKEND_CACHE) BACKEND_GPU_CACHE=$(BACKEND_GPU_CACHE) GPU_RUNTIME=1 JOBS"
 	@echo "  GPU host:  make serve BLS_PROFILE=gpu|gpu-ort-trt (no Docker), make gpu-check GPU_CHECK_ARGS"
 	@echo "  Container: IMAGE TEST_IMAGE BLS_PROFILE=portable|gpu|gpu-ort-trt|gpu-trt GPUS SHM_SIZE TEST_SHM_SIZE PUBLISH_HOST CACHE_VOLUME TEST_CACHE_VOLUME"
@@ -72,6 +72,18 @@ $(STAMP): pyproject.toml scripts/install_system_deps.sh scripts/install_perf_ana
 	touch $@
 
 venv: $(STAMP) ## Create .venv and install everything (pip + Debian packages + perf_analyzer)
+
+# Triton Model Analyzer (the `tune` extra) in a venv of its own, made on first use.
+TUNE_VENV  := .venv-tune
+TUNE_STAMP := $(TUNE_VENV)/.installed
+$(TUNE_STAMP): pyproject.toml $(STAMP)
+	$(PYTHON) -m venv $(TUNE_VENV)
+	$(TUNE_VENV)/bin/python -m pip install --quiet --disable-pip-version-check -e '.[tune]'
+	touch $@
+
+tune: models backend $(TUNE_STAMP) ## Triton Model Analyzer tunes instances and batching (MODEL=<name>: one model; BUDGET_MS; BLS_PROFILE=gpu on a GPU host) -> bench/results/tuning/
+	$(PY) -m bench.tune $(foreach m,$(MODEL),--model $(m)) $(if $(BUDGET_MS),--budget-ms $(BUDGET_MS)) \
+	    $(if $(filter-out portable,$(SERVE_PROFILE)),--profile gpu)
 
 backend: $(STAMP) ## Build Triton's onnxruntime backend (C++, r24.10; ~20 s, cached by its inputs)
 	$(PY) -m tritonlocal.backend_build $(if $(TRITON_SOURCES),--sources $(TRITON_SOURCES)) \
@@ -106,7 +118,7 @@ serve: gpu-host
 	$(SERVE) --profile $(SERVE_PROFILE)
 endif
 
-test: lint models backend ## Lint, then the whole test suite (unit + live server) — what CI runs
+test: lint models backend $(TUNE_STAMP) ## Lint, then the whole test suite (unit + live server) — what CI runs
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 lint: $(STAMP) ## ruff over every Python file (rules in pyproject.toml); `make test` runs it first
@@ -115,7 +127,7 @@ lint: $(STAMP) ## ruff over every Python file (rules in pyproject.toml); `make t
 test-unit: $(STAMP) ## Only the tests that need no server
 	$(PY) -m pytest -m "not live" $(PYTEST_ARGS)
 
-bench: models backend ## Run every benchmark (perf_analyzer; ~70 min, 27 of it tuning) -> bench/results/REPORT.md
+bench: models backend ## Run every benchmark (perf_analyzer; ~45 min) -> bench/results/REPORT.md (tuning: make tune)
 	$(PY) -m bench
 
 soak: models backend ## Soak both orchestrators (100 000 requests at concurrency 512; SOAK_ARGS) -> bench/results/soak.md; CHAOS=1: 20 min with bad inputs, cancels, short deadlines and stub kills -> chaos.md

@@ -8,7 +8,16 @@ here too, as the scripts and tests import them.
 
 from __future__ import annotations
 
-from bench import control_flow, designs, fanout, large_output, orchestration, overhead, saturation, tuning
+from bench import (
+                   control_flow,
+                   designs,
+                   fanout,
+                   large_output,
+                   orchestration,
+                   ort_options,
+                   overhead,
+                   saturation,
+)
 from bench.common import Context, Result
 from bench.repository import build_test_repository, build_variants
 
@@ -20,9 +29,8 @@ EXPERIMENTS = {
     "designs": designs.concurrency_designs,
     "large_output": large_output.large_output,
     "clients": saturation.client_styles,
-    "tuning": tuning.tuning,
     "overload": saturation.overload,
-    "ort_options": tuning.ort_options,
+    "ort_options": ort_options.ort_options,
     "overhead": overhead.overhead,
     "control_flow": control_flow.control_flow,
 }

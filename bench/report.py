@@ -11,7 +11,7 @@ import subprocess
 from datetime import datetime, timezone
 from pathlib import Path
 
-ORDER = ["orchestration", "fanout", "designs", "large_output", "clients", "tuning", "overload",
+ORDER = ["orchestration", "fanout", "designs", "large_output", "clients", "overload",
          "ort_options", "control_flow"]
 
 

@@ -23,7 +23,7 @@ MODEL_REPOSITORY = Path(os.environ.get("BLS_MODEL_REPOSITORY", ROOT / "model_rep
 # perf_analyzer, none of which the container's server has: skipped there.
 LOCAL_ONLY = ("test_launcher.py", "test_recovery.py", "test_security.py", "test_perf_analyzer.py",
               "test_bench_smoke.py", "test_readme_load_test.py", "test_extending.py",
-              "test_chaos.py", "test_cascade_template.py")
+              "test_chaos.py", "test_cascade_template.py", "test_tune.py")
 
 
 @dataclass

@@ -370,19 +370,7 @@ class TritonServer:
 
     def _assemble_backends(self, install: runtime.Installation, stub: Path,
                            onnxruntime: Path | None, target: Path) -> Path:
-        """<target>/python (the wheel's python backend and the stub) and <target>/onnxruntime
-        (a copy of the build, so a rebuild never changes what a running server loaded)."""
-        python_dir = target / "python"
-        python_dir.mkdir(parents=True)
-        for item in install.python_backend.iterdir():
-            if item.is_file():
-                shutil.copy2(item, python_dir / item.name)
-        shutil.copy2(stub, python_dir / stub.name)
-        if onnxruntime is not None:
-            shutil.copytree(onnxruntime, target / "onnxruntime")
-        for name, directory in self.options.extra_backends.items():
-            shutil.copytree(directory, target / name)
-        return target
+        return assemble_backends(install, stub, onnxruntime, target, self.options.extra_backends)
 
     def _wait_ready(self, repository: Path) -> None:
         """Until ``/v2/health/ready`` answers 200 and then the metrics endpoint answers: r24.10
@@ -565,6 +553,24 @@ class Supervisor:
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
+
+
+def assemble_backends(install: runtime.Installation, stub: Path, onnxruntime: Path | None,
+                      target: Path, extra: dict[str, Path] | None = None) -> Path:
+    """<target>/python (the wheel's python backend and the stub) and <target>/onnxruntime (a
+    copy of the build, so a rebuild never changes what a running server loaded). Also the
+    backend directory Model Analyzer's server gets (bench/tune.py)."""
+    python_dir = target / "python"
+    python_dir.mkdir(parents=True)
+    for item in install.python_backend.iterdir():
+        if item.is_file():
+            shutil.copy2(item, python_dir / item.name)
+    shutil.copy2(stub, python_dir / stub.name)
+    if onnxruntime is not None:
+        shutil.copytree(onnxruntime, target / "onnxruntime")
+    for name, directory in (extra or {}).items():
+        shutil.copytree(directory, target / name)
+    return target
 
 
 def read_configs(repositories: list[Path]) -> list:
