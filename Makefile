@@ -81,9 +81,15 @@ $(TUNE_STAMP): pyproject.toml $(STAMP)
 	$(TUNE_VENV)/bin/python -m pip install --quiet --disable-pip-version-check -e '.[tune]'
 	touch $@
 
+TUNE = $(PY) -m bench.tune $(foreach m,$(MODEL),--model $(m)) $(if $(BUDGET_MS),--budget-ms $(BUDGET_MS))
+ifeq ($(SERVE_PROFILE),portable)
 tune: models backend $(TUNE_STAMP) ## Triton Model Analyzer tunes instances and batching (MODEL=<name>: one model; BUDGET_MS; BLS_PROFILE=gpu on a GPU host) -> bench/results/tuning/
-	$(PY) -m bench.tune $(foreach m,$(MODEL),--model $(m)) $(if $(BUDGET_MS),--budget-ms $(BUDGET_MS)) \
-	    $(if $(filter-out portable,$(SERVE_PROFILE)),--profile gpu)
+	$(TUNE)
+else
+tune: gpu-host $(TUNE_STAMP)
+	$(MAKE) --no-print-directory models backend-gpu GPU_RUNTIME=1
+	$(TUNE) --profile $(SERVE_PROFILE)
+endif
 
 backend: $(STAMP) ## Build Triton's onnxruntime backend (C++, r24.10; ~20 s, cached by its inputs)
 	$(PY) -m tritonlocal.backend_build $(if $(TRITON_SOURCES),--sources $(TRITON_SOURCES)) \

@@ -24,11 +24,13 @@ Analyzer's checkpoints, variants, reports and server logs under ``bench/results/
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -44,7 +46,7 @@ RAW = ROOT / "bench" / "results" / "raw" / "tuning"
 
 STAGE_INSTANCES = (1, 2, 4)
 STAGE_DELAYS_US = (100, 500, 2000)
-STAGE_CONCURRENCY = (4, 16)
+STAGE_CONCURRENCY = (16,)
 COMPARE_AT = 16
 # p99 latency budgets on this 2-core CPU host at concurrency 16, in ms: a stage model's batch of
 # 16 rows runs in tens of ms (the classifier ~9 ms a row on one thread), a pipeline's request
@@ -58,10 +60,13 @@ ENSEMBLES = (S.PIPELINE_ENSEMBLE.name, S.DIGITS_ENSEMBLE.name)
 # image pipeline with its composing models, and the ensemble it is compared with.
 DEFAULT_MODELS = ("preprocess", "classifier", "embedder", "digits_large", "pipeline",
                   "pipeline_ensemble")
-# perf_analyzer's measurement, as bench/perf.py's (time windows; Model Analyzer's default count
-# windows ignore the interval), a little shorter: every variant is one more server start.
+# perf_analyzer's measurement: time windows like bench/perf.py's (Model Analyzer's default count
+# windows ignore the interval), shorter and less strict, and at most MAX_AUTO_ADJUSTS longer
+# retries of an unstable one (Model Analyzer's default, 10, took 70 s for one point here): the
+# whole repository within 30 minutes on this host.
 MEASUREMENT = {"measurement-mode": "time_windows", "measurement-interval": "2000",
-               "stability-percentage": "20", "max-trials": "8"}
+               "stability-percentage": "25", "max-trials": "6"}
+MAX_AUTO_ADJUSTS = 2
 SMOKE_MEASUREMENT = {"measurement-mode": "time_windows", "measurement-interval": "500",
                      "stability-percentage": "1000", "max-trials": "4"}
 
@@ -123,6 +128,7 @@ def ma_config(model: str, run: Path, repository: Path, server: Path, ports: dict
         "perf_analyzer_path": str(ROOT / ".venv" / "bin" / "perf_analyzer"),
         # Two cores: perf_analyzer's threads may use more than the 80 % Model Analyzer allows.
         "perf_analyzer_cpu_util": 400,
+        "perf_analyzer_max_auto_adjusts": MAX_AUTO_ADJUSTS,
         "perf_analyzer_flags": dict(SMOKE_MEASUREMENT if smoke else MEASUREMENT),
         "client_protocol": "grpc",
         "checkpoint_directory": str(run / "checkpoints"),
@@ -210,8 +216,11 @@ def profile(model: str, run: Path, config: dict, log) -> int:
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
     started = time.monotonic()
     variants = 0
+    # Its own process group: Model Analyzer's tritonserver and perf_analyzer go with it when
+    # this run is stopped (SIGINT, SIGTERM) or fails.
     with subprocess.Popen(command, cwd=run, env=env, stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, text=True) as process:
+                          stderr=subprocess.STDOUT, text=True,
+                          start_new_session=True) as process, _group_stopped_on_exit(process):
         for line in process.stdout:
             log.write(line)
             found = PROGRESS.search(line)
@@ -223,6 +232,39 @@ def profile(model: str, run: Path, config: dict, log) -> int:
                 print(f"[tune {model} {time.monotonic() - started:6.0f} s]    {found.group(1)}",
                       flush=True)
     return process.returncode
+
+
+@contextlib.contextmanager
+def _group_stopped_on_exit(process: subprocess.Popen):
+    """SIGTERM and SIGINT end this run; on the way out, whatever is left of ``process``'s
+    group (the server it started, a perf_analyzer) is terminated, then killed."""
+    def stop(signum, _frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        for sig, wait in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
+            try:
+                os.killpg(process.pid, sig)
+            except ProcessLookupError:
+                break
+            deadline = time.monotonic() + wait
+            while time.monotonic() < deadline and _group_alive(process.pid):
+                time.sleep(0.2)
+            if not _group_alive(process.pid):
+                break
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 @dataclass
@@ -377,7 +419,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budget-ms", type=float, help="p99 budget in ms (default: "
                         f"{BUDGET_MS['stage']:g} for stage models, {BUDGET_MS['composite']:g} "
                         "for BLS and ensembles)")
-    parser.add_argument("--profile", choices=("cpu", "gpu"), default="cpu")
+    parser.add_argument("--profile", choices=("cpu", "gpu", "gpu-ort-trt", "gpu-trt"),
+                        default="cpu", help="cpu: the committed repository; a GPU profile: "
+                        "its rendering (modelgen.profiles), on KIND_GPU")
     parser.add_argument("--smoke", action="store_true",
                         help="a minimal search with short windows (tests; no claims)")
     parser.add_argument("--out", type=Path, default=OUT)
@@ -388,7 +432,7 @@ def main(argv: list[str] | None = None) -> int:
     models = args.model or list(DEFAULT_MODELS)
     for model in models:
         S.model(model)  # an unknown name fails here, with the known ones
-    gpu = args.profile == "gpu"
+    gpu = args.profile != "cpu"
     stamp = time.strftime("%Y%m%d-%H%M%S")
     base = args.raw / stamp
     base.mkdir(parents=True, exist_ok=True)
@@ -396,8 +440,8 @@ def main(argv: list[str] | None = None) -> int:
     if gpu:
         from modelgen import profiles
 
-        repository = base / "repository-gpu"
-        profiles.write("gpu", ROOT / "model_repository", repository)
+        repository = base / f"repository-{args.profile}"
+        profiles.write(args.profile, ROOT / "model_repository", repository)
     # A dry run only writes Model Analyzer's configs (a GPU profile's backend may not be built).
     server = base / "tritonserver" if args.dry_run else server_wrapper(base, gpu)
     from bench.report import started
