@@ -171,7 +171,11 @@ def ma_config(model: str, run: Path, repository: Path, server: Path, ports: dict
         config["run_config_search_min_model_batch_size"] = committed
         config["run_config_search_max_model_batch_size"] = 2 * committed
         config["run_config_search_max_instance_count"] = 4
-        config["run_config_search_max_concurrency"] = 64
+        # Quick search loads each configuration at 2 x max batch x instances requests in flight
+        # (64 and more here), where no configuration of `pipeline` met a 600 ms p99 on this host
+        # and the search stopped after 3. Every configuration at COMPARE_AT instead.
+        config["run_config_search_min_concurrency"] = COMPARE_AT
+        config["run_config_search_max_concurrency"] = COMPARE_AT
         config["concurrency_sweep_disable"] = True
     config["profile_models"] = {model: spec}
     return config
@@ -216,11 +220,11 @@ def profile(model: str, run: Path, config: dict, log) -> int:
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
     started = time.monotonic()
     variants = 0
-    # Its own process group: Model Analyzer's tritonserver and perf_analyzer go with it when
-    # this run is stopped (SIGINT, SIGTERM) or fails.
+    # Model Analyzer's tritonserver and perf_analyzer go with it when this run is stopped
+    # (SIGINT, SIGTERM) or fails.
     with subprocess.Popen(command, cwd=run, env=env, stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True,
-                          start_new_session=True) as process, _group_stopped_on_exit(process):
+                          start_new_session=True) as process, _stopped_on_exit(process, run.parent):
         for line in process.stdout:
             log.write(line)
             found = PROGRESS.search(line)
@@ -235,9 +239,11 @@ def profile(model: str, run: Path, config: dict, log) -> int:
 
 
 @contextlib.contextmanager
-def _group_stopped_on_exit(process: subprocess.Popen):
-    """SIGTERM and SIGINT end this run; on the way out, whatever is left of ``process``'s
-    group (the server it started, a perf_analyzer) is terminated, then killed."""
+def _stopped_on_exit(process: subprocess.Popen, base: Path):
+    """SIGTERM and SIGINT end this run. On the way out, Model Analyzer is asked to stop (SIGINT:
+    it stops its server and keeps its checkpoint), and whatever it started is then terminated:
+    it starts tritonserver and perf_analyzer in sessions of their own, so they are found by the
+    run's directory (the server's backend directory, perf_analyzer's working directory)."""
     def stop(signum, _frame):
         raise KeyboardInterrupt(f"signal {signum}")
 
@@ -247,48 +253,73 @@ def _group_stopped_on_exit(process: subprocess.Popen):
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-        for sig, wait in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
+        if process.poll() is None:
+            process.send_signal(signal.SIGINT)
             try:
-                os.killpg(process.pid, sig)
-            except ProcessLookupError:
-                break
-            deadline = time.monotonic() + wait
-            while time.monotonic() < deadline and _group_alive(process.pid):
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            left = started_under(base)
+            for pid in left:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, sig)
+            deadline = time.monotonic() + 10
+            while left and time.monotonic() < deadline:
                 time.sleep(0.2)
-            if not _group_alive(process.pid):
+                left = started_under(base)
+            if not left:
                 break
 
 
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    return True
+def started_under(base: Path) -> list[int]:
+    """Processes whose command line or working directory names ``base``."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit() or int(proc.name) == os.getpid():
+            continue
+        try:
+            command = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            where = os.readlink(proc / "cwd")
+        except OSError:
+            continue
+        if command and (str(base) in command or where.startswith(str(base))):
+            found.append(int(proc.name))
+    return found
 
 
 @dataclass
 class Measured:
-    variant: str
+    variant: str          # the profiled model's variant, e.g. classifier_config_3
+    composing: list[str]  # the composing models' variants it ran with (BLS, ensembles)
     concurrency: int
     throughput: float
     p99_ms: float
     within: bool
-    settings: dict
+    settings: dict        # the profiled variant's instances and batching
+
+    @property
+    def configuration(self) -> str:
+        return " + ".join([self.variant, *self.composing])
 
 
-def measurements(run: Path, model: str) -> list[Measured]:
-    """Model Analyzer's inference table for ``model``, each row with its variant's settings
+def measurements(run: Path, model: str, budget_ms: float) -> list[Measured]:
+    """Every measurement Model Analyzer kept for ``model`` (its checkpoint: a variant, the
+    composing variants it ran with, perf_analyzer's figures), each with its variant's settings
     (read from the variant's config.pbtxt)."""
-    table = run / "export" / "results" / "metrics-model-inference.csv"
+    (checkpoint,) = sorted((run / "checkpoints").glob("*.ckpt"))[-1:]
+    results = json.loads(checkpoint.read_text())["ResultManager.results"]["_results"]
     rows = []
-    with table.open() as handle:
-        for row in csv.DictReader(handle):
-            variant = row["Model Config Path"].split(":")[0].strip()
-            rows.append(Measured(variant, int(row["Concurrency"]),
-                                 float(row["Throughput (infer/sec)"]),
-                                 float(row["p99 Latency (ms)"]),
-                                 row["Satisfies Constraints"].strip().lower() == "yes",
+    for variant, (_, kept) in results.get(model, {}).items():
+        for key, measurement in kept.items():
+            composing = key.rsplit(" ", 1)[-1].split(",") if kind(model) != "stage" else []
+            (own,) = [m for m in measurement["_model_config_measurements"]
+                      if m["_model_config_name"] == model]
+            figures = {name: value["_value"] for name, value in own["_non_gpu_data"]}
+            p99 = float(figures["perf_latency_p99"])
+            rows.append(Measured(variant, composing,
+                                 int(own["_model_specific_pa_params"]["concurrency-range"]),
+                                 float(figures["perf_throughput"]), p99, p99 <= budget_ms,
                                  variant_settings(run / "variants" / variant)))
     return rows
 
@@ -312,8 +343,9 @@ def choose(rows: list[Measured], model: str) -> tuple[Measured | None, Measured 
     default = f"{model}_config_default"
     if kind(model) == "stage":
         rows = [r for r in rows if r.concurrency == COMPARE_AT] or rows
-    committed = max((r for r in rows if r.variant == default), key=lambda r: r.throughput,
-                    default=None)
+    committed = max((r for r in rows if r.variant == default
+                     and all(c.endswith("_config_default") for c in r.composing)),
+                    key=lambda r: r.throughput, default=None)
     within = [r for r in rows if r.within]
     return committed, max(within, key=lambda r: r.throughput, default=None)
 
@@ -333,35 +365,38 @@ def describe(settings: dict) -> str:
 def collect(model: str, run: Path, out: Path, budget_ms: float, seconds: float) -> dict:
     """Copy Model Analyzer's table and summary report for ``model`` into ``out``; return its
     outcome for summary.json."""
-    rows = measurements(run, model)
+    rows = measurements(run, model, budget_ms)
     out.mkdir(parents=True, exist_ok=True)
     with (out / f"{model}.csv").open("w", newline="") as handle:
         writer = csv.writer(handle)
-        writer.writerow(["variant", "concurrency", "throughput_infer_per_s", "p99_ms",
-                         "within_budget", "instance_count", "max_batch_size",
-                         "max_queue_delay_us", "preferred_batch_sizes"])
-        for r in rows:
+        writer.writerow(["variant", "composing", "concurrency", "throughput_infer_per_s",
+                         "p99_ms", "within_budget", "instance_count", "max_batch_size",
+                         "max_queue_delay_us", "preferred_batch_sizes", "composing_settings"])
+        for r in sorted(rows, key=lambda r: -r.throughput):
             s = r.settings
-            writer.writerow([r.variant, r.concurrency, r.throughput, r.p99_ms, r.within,
-                             s["instance_count"], s["max_batch_size"], s["max_queue_delay_us"],
-                             " ".join(map(str, s["preferred_batch_sizes"]))])
+            writer.writerow([r.variant, " ".join(r.composing), r.concurrency, r.throughput,
+                             r.p99_ms, r.within, s["instance_count"], s["max_batch_size"],
+                             s["max_queue_delay_us"],
+                             " ".join(map(str, s["preferred_batch_sizes"])),
+                             "; ".join(f"{c}: {describe(variant_settings(run / 'variants' / c))}"
+                                       for c in r.composing)])
     report = run / "export" / "reports" / "summaries" / model
     if report.is_dir():
         target = out / f"{model}-report"
         shutil.rmtree(target, ignore_errors=True)
         shutil.copytree(report, target)
     committed, chosen = choose(rows, model)
-    variants = sorted({r.variant for r in rows})
+    configurations = {r.configuration for r in rows}
     return {"kind": kind(model), "budget_p99_ms": budget_ms, "seconds": round(seconds),
-            "variants": len(variants), "variants_within_budget": len({r.variant for r in rows
-                                                                     if r.within}),
+            "variants": len(configurations),
+            "variants_within_budget": len({r.configuration for r in rows if r.within}),
             "committed": _outcome(committed), "chosen": _outcome(chosen)}
 
 
 def _outcome(row: Measured | None) -> dict | None:
     if row is None:
         return None
-    return {"variant": row.variant, "concurrency": row.concurrency,
+    return {"variant": row.variant, "composing": row.composing, "concurrency": row.concurrency,
             "throughput": row.throughput, "p99_ms": row.p99_ms, **row.settings}
 
 
@@ -370,13 +405,17 @@ def write_summary(out: Path, results: dict, meta: dict) -> Path:
     known = json.loads(summary.read_text())["models"] if summary.exists() else {}
     known.update(results)
     summary.write_text(json.dumps({**meta, "models": known}, indent=2) + "\n")
+    runs = sorted({(r["run"]["when"], r["run"]["commit"], r["run"]["command"])
+                   for r in known.values()})
     lines = ["# Tuning by Triton Model Analyzer (`make tune`)", "",
-             f"Last run {meta['when']} at commit `{meta['commit']}`: `{meta['command']}`. "
+             "Runs: " + "; ".join(f"{when} at commit `{commit}`: `{command}`"
+                                  for when, commit, command in runs) + ". "
              "Objective: throughput; constraint: p99 within the budget. Stage models: a brute "
              f"search over instances {list(STAGE_INSTANCES)} x max_queue_delay_microseconds "
              f"{list(STAGE_DELAYS_US)} at concurrency {list(STAGE_CONCURRENCY)}, chosen at "
              f"concurrency {COMPARE_AT}; composite models (BLS with their composing models, "
-             "ensembles): Model Analyzer's quick search over instances and max batch sizes. "
+             f"ensembles): Model Analyzer's quick search over instances and max batch sizes, each "
+             f"configuration at concurrency {COMPARE_AT}. "
              "Every row of every variant: `<model>.csv`; Model Analyzer's own summary: "
              "`<model>-report/`.", "",
              "| model | budget p99 (ms) | variants (within budget) | committed | throughput, p99 |"
@@ -385,13 +424,17 @@ def write_summary(out: Path, results: dict, meta: dict) -> Path:
     for model, r in known.items():
         c, w = r["committed"], r["chosen"]
 
+        def describe_all(x):
+            return describe(x) + (f" (with {', '.join(x['composing'])})" if x.get("composing")
+                                  else "")
+
         def cell(x):
             return (f"{x['throughput']:.1f}/s, {x['p99_ms']:.0f} ms (c={x['concurrency']})"
                     if x else "–")
         ratio = f"{w['throughput'] / c['throughput']:.2f}" if c and w else "–"
         lines.append(f"| {model} | {r['budget_p99_ms']:g} | {r['variants']} "
-                     f"({r['variants_within_budget']}) | {describe(c) if c else '–'} | {cell(c)} |"
-                     f" {('**' + describe(w) + '**') if w else 'none within budget'} | {cell(w)}"
+                     f"({r['variants_within_budget']}) | {describe_all(c) if c else '–'} | {cell(c)} |"
+                     f" {('**' + describe_all(w) + '**') if w else 'none within budget'} | {cell(w)}"
                      f" | {ratio} |")
     (out / "SUMMARY.md").write_text("\n".join(lines) + "\n")
     return summary
@@ -473,7 +516,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[tune] {model}: Model Analyzer failed (exit {code}); see "
                   f"{run / 'model-analyzer.log'}", flush=True)
             continue
-        results[model] = collect(model, run, args.out, limit, time.monotonic() - started_at)
+        results[model] = {**collect(model, run, args.out, limit, time.monotonic() - started_at),
+                          "run": {key: meta[key] for key in ("when", "commit", "command")},
+                          "raw": str(run.relative_to(ROOT) if run.is_relative_to(ROOT) else run)}
         r = results[model]
         print(f"[tune] {model}: {r['variants']} variants in {r['seconds']} s; chosen: "
               f"{describe(r['chosen']) if r['chosen'] else 'none within budget'}", flush=True)

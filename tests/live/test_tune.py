@@ -6,8 +6,11 @@ from __future__ import annotations
 
 import csv
 import json
+import os
+import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -64,3 +67,36 @@ def test_model_analyzer_leaves_the_project_repository_as_it_was(tuned):
     assert after == before
     (run,) = [p for p in raw.iterdir() if p.is_dir()]
     assert (run / MODEL / "variants" / f"{MODEL}_config_0" / "config.pbtxt").is_file()
+
+
+def test_a_stopped_run_takes_model_analyzers_server_with_it(tmp_path):
+    """SIGTERM while Model Analyzer profiles: the run ends, and no tritonserver or
+    perf_analyzer it started is left behind."""
+    raw = tmp_path / "raw"
+    process = subprocess.Popen([sys.executable, "-m", "bench.tune", "--model", MODEL, "--smoke",
+                                "--out", str(tmp_path / "out"), "--raw", str(raw)],
+                               cwd=tune.ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True)
+    try:
+        for line in process.stdout:
+            if "Profiling " in line:
+                break
+        else:
+            pytest.fail("the run ended before profiling anything")
+        process.send_signal(signal.SIGTERM)
+        process.wait(timeout=60)
+    finally:
+        process.kill()
+    assert process.returncode != 0
+    left = [cmd for cmd in (_command(p) for p in Path("/proc").iterdir() if p.name.isdigit())
+            if str(raw) in cmd]
+    assert not left, left
+
+
+def _command(proc: Path) -> str:
+    """A process's command line and working directory (perf_analyzer runs in the run's)."""
+    try:
+        command = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        return f"{command} (in {os.readlink(proc / 'cwd')})"
+    except OSError:
+        return ""
