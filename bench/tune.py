@@ -157,7 +157,7 @@ def ma_config(model: str, run: Path, repository: Path, server: Path, ports: dict
             "instance_group": [{"kind": "KIND_GPU" if gpu else "KIND_CPU",
                                 "count": list(instances)}],
             "dynamic_batching": {"max_queue_delay_microseconds": list(delays)}}
-        spec["parameters"] = {"concurrency": [1] if smoke else list(STAGE_CONCURRENCY)}
+        spec["parameters"] = {"concurrency": [COMPARE_AT] if smoke else list(STAGE_CONCURRENCY)}
         config["run_config_search_disable"] = True
     else:
         composing = (BLS_COMPOSING.get(model)
@@ -244,19 +244,14 @@ def profile(model: str, run: Path, config: dict, log) -> int:
 
 @contextlib.contextmanager
 def _stopped_on_exit(process: subprocess.Popen, base: Path):
-    """SIGTERM and SIGINT end this run. On the way out, Model Analyzer is asked to stop (SIGINT:
-    it stops its server and keeps its checkpoint), and whatever it started is then terminated:
-    it starts tritonserver and perf_analyzer in sessions of their own, so they are found by the
-    run's directory (the server's backend directory, perf_analyzer's working directory)."""
-    def stop(signum, _frame):
-        raise KeyboardInterrupt(f"signal {signum}")
-
-    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+    """On the way out (done, failed, or stopped: ``run_as_program`` turns SIGTERM and SIGINT
+    into KeyboardInterrupt), Model Analyzer is asked to stop (SIGINT: it stops its server and
+    keeps its checkpoint), and whatever it started is then terminated: it starts tritonserver
+    and perf_analyzer in sessions of their own, so they are found by the run's directory (the
+    server's backend directory, perf_analyzer's working directory)."""
     try:
         yield
     finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
         if process.poll() is None:
             process.send_signal(signal.SIGINT)
             try:
@@ -341,12 +336,10 @@ def variant_settings(directory: Path) -> dict:
 
 
 def choose(rows: list[Measured], model: str) -> tuple[Measured | None, Measured | None]:
-    """(committed, chosen) at ``COMPARE_AT``: the committed config's row, and the variant of
-    highest throughput within the budget (stage models); for a composite model, the best row of
-    any concurrency within the budget (quick search measures each variant at one)."""
+    """(committed, chosen) at ``COMPARE_AT``: the committed configuration's row, and the
+    configuration of highest throughput within the budget."""
     default = f"{model}_config_default"
-    if kind(model) == "stage":
-        rows = [r for r in rows if r.concurrency == COMPARE_AT] or rows
+    rows = [r for r in rows if r.concurrency == COMPARE_AT]
     committed = max((r for r in rows if r.variant == default
                      and all(c.endswith("_config_default") for c in r.composing)),
                     key=lambda r: r.throughput, default=None)
@@ -532,4 +525,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from bench.common import run_as_program
+
+    run_as_program(main)

@@ -62,11 +62,11 @@ DOCUMENT_TAG_PROBS = TensorSpec(TAG_PROBS.name, TAG_PROBS.dtype, (-1,))
 MAX_TOKENS = 8192
 WINDOW_OVERLAP = 64
 
-# Instance counts, batching delays and preferred sizes of preprocess, classifier and embedder
-# are the winners of `make bench-tuning` (bench/results/REPORT.md, "Tuning"; measured on the
-# 2-core CPU host with Triton's C++ onnxruntime backend, 2026-11-23); `pipeline` had no winner
-# within its latency budget and keeps 2 instances. tests/tooling/test_tuned_values.py keeps them
-# equal to bench/results/tuning.json.
+# Instance counts and batching delays of preprocess, classifier, embedder and digits_large are
+# Triton Model Analyzer's choice (`make tune`, bench/results/tuning/SUMMARY.md: the highest
+# throughput at concurrency 16 within a 250 ms p99, 2-core CPU host, 2026-11-27);
+# tests/tooling/test_tuned_values.py keeps them equal to bench/results/tuning/summary.json.
+# Max batch sizes and preferred batch sizes were not searched (docs/benchmarks.md, "Tuning").
 _LARGE_BATCHES = BatchingSpec(preferred_batch_sizes=(8, 16), max_queue_delay_us=100)
 _SMALL_BATCHES = BatchingSpec(preferred_batch_sizes=(4, 8), max_queue_delay_us=100)
 
@@ -107,7 +107,8 @@ EMBEDDER = ModelSpec(
     outputs=(EMBEDDING,),
     max_batch_size=16,
     batching=_SMALL_BATCHES,
-    instance_count=4,
+    # Tuned (make tune): 2 instances, 4 % more than 4 at concurrency 16 in the same run.
+    instance_count=2,
     description="Depthwise-separable CNN, L2-normalised 256-d embedding",
 )
 TAGGER = ModelSpec(
@@ -169,8 +170,10 @@ DIGITS_LARGE = replace(
     DIGITS_SMALL,
     name="digits_large",
     # It stands for a real large model: a CNN over the image scaled up to 48x48, several ms of
-    # one CPU thread per row (docs/cascade.md). Two instances of one thread each, as many as
-    # this CPU profile's host has cores.
+    # one CPU thread per row (docs/cascade.md). Tuned (make tune): 4 instances of one thread
+    # and a 500 us batching delay.
+    batching=BatchingSpec(preferred_batch_sizes=(16, 32), max_queue_delay_us=500),
+    instance_count=4,
     description="8x8 digit scaled to 48x48 -> class probabilities through a 6-layer CNN (the "
                 "costly, better one)",
 )

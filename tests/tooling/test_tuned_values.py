@@ -1,8 +1,9 @@
-"""The committed configs carry the tuning sweep's winners (bench/results/tuning.json) and the
-ONNX Runtime options that won `make bench-ort_options` (bench/results/ort_options.json).
+"""The committed configs carry what Triton Model Analyzer chose (`make tune`,
+bench/results/tuning/summary.json) and the ONNX Runtime options that won `make bench-ort_options`
+(bench/results/ort_options.json), which Model Analyzer does not search.
 
-Re-running `make bench-tuning` rewrites the winners; this test then fails until they are applied
-in bls_models/spec.py (and `make configs`), so a config can always be traced to a measurement.
+Re-running `make tune` rewrites the choices; this test then fails until they are applied in
+bls_models/spec.py (and `make configs`), so a config can always be traced to a measurement.
 """
 
 import json
@@ -10,32 +11,51 @@ from pathlib import Path
 
 import pytest
 
+from bench import tune
 from bls_models import spec as S
 
-RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results" / "tuning.json"
+RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results"
+SUMMARY = RESULTS / "tuning" / "summary.json"
 
 
-def _winners() -> dict:
-    meta = json.loads(RESULTS.read_text())
-    assert not meta["quick"], "bench/results/tuning.json holds a smoke run, not a measurement"
-    return meta["data"]["winners"]
+def _tuned() -> dict:
+    meta = json.loads(SUMMARY.read_text())
+    assert not meta["smoke"], "bench/results/tuning/summary.json holds a smoke run, not a measurement"
+    assert meta["profile"] == "cpu", "the committed configs are the CPU profile's"
+    return meta["models"]
 
 
-def test_the_sweep_found_winners():
-    assert _winners(), "the committed tuning run chose no winner for any model"
+def test_model_analyzer_tuned_the_default_models():
+    tuned = _tuned()
+    assert set(tune.DEFAULT_MODELS) <= set(tuned)
+    for name, result in tuned.items():
+        assert result["committed"], f"{name}: the committed config was not measured"
 
 
-@pytest.mark.parametrize("name", sorted(_winners()) if RESULTS.exists() else [])
-def test_committed_config_is_the_winner(name):
-    winner = _winners()[name]
-    model = S.model(name)
-    assert model.instance_count == winner["instance_count"]
-    if model.backend == "onnxruntime":
-        assert model.batching.max_queue_delay_us == winner["max_queue_delay_us"]
-        assert list(model.batching.preferred_batch_sizes) == winner["preferred_batch_sizes"]
+STAGES = [name for name in tune.DEFAULT_MODELS if tune.kind(name) == "stage"]
 
 
-ORT_RESULTS = RESULTS.with_name("ort_options.json")
+@pytest.mark.parametrize("name", STAGES)
+def test_a_stage_models_committed_config_is_model_analyzers_choice(name):
+    result = _tuned()[name]
+    chosen, model = result["chosen"], S.model(name)
+    assert chosen, f"{name}: no variant within the budget; keep the committed config and say why"
+    assert model.instance_count == chosen["instance_count"]
+    assert model.batching.max_queue_delay_us == chosen["max_queue_delay_us"]
+    # Not searched: the committed values, which every variant kept.
+    assert model.max_batch_size == chosen["max_batch_size"]
+    assert list(model.batching.preferred_batch_sizes) == chosen["preferred_batch_sizes"]
+
+
+@pytest.mark.parametrize("name", STAGES)
+def test_the_choice_is_no_slower_than_the_committed_config_at_the_compared_concurrency(name):
+    result = _tuned()[name]
+    assert result["chosen"]["concurrency"] == result["committed"]["concurrency"] == tune.COMPARE_AT
+    assert result["chosen"]["p99_ms"] <= result["budget_p99_ms"]
+    assert result["chosen"]["throughput"] >= result["committed"]["throughput"]
+
+
+ORT_RESULTS = RESULTS / "ort_options.json"
 
 
 @pytest.mark.skipif(not ORT_RESULTS.exists(), reason="no committed ONNX Runtime options run")
