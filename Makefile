@@ -81,9 +81,10 @@ $(TUNE_STAMP): pyproject.toml $(STAMP)
 	$(TUNE_VENV)/bin/python -m pip install --quiet --disable-pip-version-check -e '.[tune]'
 	touch $@
 
-TUNE = $(PY) -m bench.tune $(foreach m,$(MODEL),--model $(m)) $(if $(BUDGET_MS),--budget-ms $(BUDGET_MS))
+TUNE = $(PY) -m bench.tune $(foreach m,$(MODEL),--model $(m)) $(foreach c,$(COMPOSING),--composing $(c)) \
+	    $(if $(BUDGET_MS),--budget-ms $(BUDGET_MS))
 ifeq ($(SERVE_PROFILE),portable)
-tune: models backend $(TUNE_STAMP) ## Triton Model Analyzer tunes instances and batching (MODEL=<name>: one model; BUDGET_MS; BLS_PROFILE=gpu on a GPU host) -> bench/results/tuning/
+tune: models backend $(TUNE_STAMP) ## Triton Model Analyzer tunes instances and batching (MODEL=<name>: one model; COMPOSING=<your BLS>=<a,b>; BUDGET_MS; BLS_PROFILE=gpu on a GPU host) -> bench/results/tuning/
 	$(TUNE)
 else
 tune: gpu-host $(TUNE_STAMP)

@@ -169,7 +169,7 @@ def ma_config(model: str, run: Path, repository: Path, server: Path, ports: dict
             config["cpu_only_composing_models"] = list(composing)
         # The orchestrators size their sub-requests from the stage configs on disk: no variant
         # may take fewer rows than those (and the committed preferred sizes must stay legal).
-        committed = max(S.model(name).max_batch_size for name in (model, *composing))
+        committed = max(max_batch_size(repository, name) for name in (model, *composing))
         config["run_config_search_min_model_batch_size"] = committed
         config["run_config_search_max_model_batch_size"] = 2 * committed
         config["run_config_search_max_instance_count"] = 4
@@ -185,12 +185,33 @@ def ma_config(model: str, run: Path, repository: Path, server: Path, ports: dict
     return config
 
 
+def known(model: str):
+    """The repository's spec of ``model``, or None for a user's own (docs/extending.md)."""
+    try:
+        return S.model(model)
+    except KeyError:
+        return None
+
+
+def max_batch_size(repository: Path, model: str) -> int:
+    """``model``'s committed max batch size: its spec's, or its config.pbtxt's (a user's own)."""
+    spec = known(model)
+    if spec is not None:
+        return spec.max_batch_size
+    from google.protobuf import text_format
+    from tritonclient.grpc import model_config_pb2
+
+    config = model_config_pb2.ModelConfig()
+    text_format.Parse((repository / model / "config.pbtxt").read_text(), config)
+    return config.max_batch_size
+
+
 def input_data(model: str, run: Path) -> dict[str, str]:
     """perf_analyzer input flags where random data would not be the model's real work: token ids
     within the vocabulary for the taggers, real digits (the cascade's branch depends on them)."""
     if model.startswith("tag"):
         return {"shape": f"TOKENS:{S.TAGGER_SEQ_LEN}", "input-data": "zero"}
-    if S.DIGIT_PIXELS in S.model(model).inputs:
+    if S.DIGIT_PIXELS in getattr(known(model), "inputs", ()):
         from modelgen import digits
 
         pixels = digits.split()[1]
@@ -437,6 +458,13 @@ def write_summary(out: Path, results: dict, meta: dict) -> Path:
     return summary
 
 
+def _composing(text: str) -> tuple[str, tuple[str, ...]]:
+    model, _, composing = text.partition("=")
+    if not model or not composing:
+        raise argparse.ArgumentTypeError(f"'{text}': give BLS=A,B (the models it calls)")
+    return model, tuple(name for name in composing.split(",") if name)
+
+
 def free_ports() -> dict[str, int]:
     import socket
 
@@ -456,6 +484,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", action="append", help="a model to tune (repeatable); "
                         f"default: {', '.join(DEFAULT_MODELS)}")
+    parser.add_argument("--composing", type=_composing, action="append", metavar="BLS=A,B",
+                        help="a BLS model of your own (docs/extending.md) and the models it "
+                        "calls, e.g. image_embedding=preprocess,embedder,classifier")
     parser.add_argument("--budget-ms", type=float, help="p99 budget in ms (default: "
                         f"{BUDGET_MS['stage']:g} for stage models, {BUDGET_MS['composite']:g} "
                         "for BLS and ensembles)")
@@ -464,24 +495,30 @@ def main(argv: list[str] | None = None) -> int:
                         "its rendering (modelgen.profiles), on KIND_GPU")
     parser.add_argument("--smoke", action="store_true",
                         help="a minimal search with short windows (tests; no claims)")
+    parser.add_argument("--repository", type=Path, default=ROOT / "model_repository",
+                        help="the repository to tune (default: the project's; never written)")
     parser.add_argument("--out", type=Path, default=OUT)
     parser.add_argument("--raw", type=Path, default=RAW)
     parser.add_argument("--dry-run", action="store_true",
                         help="write Model Analyzer's configs and the server wrapper, run nothing")
     args = parser.parse_args(argv)
-    models = args.model or list(DEFAULT_MODELS)
+    models = args.model or ([] if args.composing else list(DEFAULT_MODELS))
+    for model, composing in args.composing or []:
+        BLS_COMPOSING[model] = composing
+        models.append(model)
     for model in models:
-        S.model(model)  # an unknown name fails here, with the known ones
+        if model not in BLS_COMPOSING:
+            S.model(model)  # an unknown name fails here, with the known ones
     gpu = args.profile != "cpu"
     stamp = time.strftime("%Y%m%d-%H%M%S")
     base = args.raw / stamp
     base.mkdir(parents=True, exist_ok=True)
-    repository = ROOT / "model_repository"
+    repository = args.repository.resolve()
     if gpu:
         from modelgen import profiles
 
         repository = base / f"repository-{args.profile}"
-        profiles.write(args.profile, ROOT / "model_repository", repository)
+        profiles.write(args.profile, args.repository.resolve(), repository)
     # A dry run only writes Model Analyzer's configs (a GPU profile's backend may not be built).
     server = base / "tritonserver" if args.dry_run else server_wrapper(base, gpu)
     from bench.report import started

@@ -72,3 +72,25 @@ def test_the_gpu_profile_tunes_the_rendered_gpu_repository(written):
     profile, configs = written
     repository = configs["classifier"]["model_repository"]
     assert repository.endswith("repository-gpu") == (profile == "gpu")
+
+
+def test_a_users_own_bls_model_is_profiled_with_the_models_it_calls(tmp_path):
+    """docs/extending.md's pipeline, in a user's checkout: `--composing NAME=A,B,C`."""
+    from tests.helpers import EXTENDING_NAME, extending_checkout, page_model_py
+
+    (tmp_path / "work").mkdir()
+    repository = extending_checkout(tmp_path / "work", tune.ROOT / "model_repository",
+                                    page_model_py())
+    raw = tmp_path / "raw"
+    composing = "preprocess,embedder,classifier"
+    done = subprocess.run([sys.executable, "-m", "bench.tune", "--dry-run", "--raw", str(raw),
+                           "--repository", str(repository),
+                           "--composing", f"{EXTENDING_NAME}={composing}"],
+                          cwd=tune.ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    (run,) = [p for p in raw.iterdir() if p.is_dir()]
+    config = yaml.safe_load((run / EXTENDING_NAME / "model-analyzer.yaml").read_text())
+    assert config["model_repository"] == str(repository.resolve())
+    assert config["bls_composing_models"] == composing.split(",")
+    assert config["run_config_search_mode"] == "quick"
+    assert config["run_config_search_min_model_batch_size"] == 16  # read from its config.pbtxt
