@@ -38,6 +38,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bls_models import spec as S
+from bls_models.repository import load_config
+from tritonlocal import procs, runtime
 
 ROOT = Path(__file__).resolve().parents[1]
 MA_VENV = ROOT / ".venv-tune"
@@ -86,7 +88,7 @@ def budget(model: str, given: float | None) -> float:
 def server_wrapper(run: Path, gpu: bool) -> Path:
     """``run/tritonserver``: the wheel's tritonserver with what `make serve` gives it besides
     the flags Model Analyzer sets itself (repository, explicit model control, ports)."""
-    from tritonlocal import backend_build, flags, launcher, runtime
+    from tritonlocal import backend_build, flags, launcher
 
     install = runtime.find_installation()
     python = str(ROOT / ".venv" / "bin" / "python")
@@ -198,12 +200,7 @@ def max_batch_size(repository: Path, model: str) -> int:
     spec = known(model)
     if spec is not None:
         return spec.max_batch_size
-    from google.protobuf import text_format
-    from tritonclient.grpc import model_config_pb2
-
-    config = model_config_pb2.ModelConfig()
-    text_format.Parse((repository / model / "config.pbtxt").read_text(), config)
-    return config.max_batch_size
+    return load_config(repository / model / "config.pbtxt").max_batch_size
 
 
 def input_data(model: str, run: Path) -> dict[str, str]:
@@ -231,8 +228,7 @@ def ensure_model_analyzer() -> Path:
     return binary
 
 
-PROGRESS = re.compile(r"(Profiling \S+:.*|Creating model config: \S+|"
-                      r"Skipping illegal run configuration.*|Saved checkpoint.*)")
+PROGRESS = re.compile(r"(Profiling \S+:.*|Creating model config: \S+)")
 
 
 def profile(model: str, run: Path, config: dict, log) -> int:
@@ -253,13 +249,11 @@ def profile(model: str, run: Path, config: dict, log) -> int:
         for line in process.stdout:
             log.write(line)
             found = PROGRESS.search(line)
-            if found and found.group(1).startswith("Profiling"):
-                variants += 1
-                print(f"[tune {model} {time.monotonic() - started:6.0f} s] #{variants} "
-                      f"{found.group(1)}", flush=True)
-            elif found and found.group(1).startswith("Creating"):
-                print(f"[tune {model} {time.monotonic() - started:6.0f} s]    {found.group(1)}",
-                      flush=True)
+            if found:
+                profiling = found.group(1).startswith("Profiling")
+                variants += profiling
+                print(f"[tune {model} {time.monotonic() - started:6.0f} s] "
+                      f"{f'#{variants}' if profiling else '  '} {found.group(1)}", flush=True)
     return process.returncode
 
 
@@ -293,18 +287,17 @@ def _stopped_on_exit(process: subprocess.Popen, base: Path):
 
 
 def started_under(base: Path) -> list[int]:
-    """Processes whose command line or working directory names ``base``."""
+    """Processes other than this one whose command line or working directory names ``base``."""
     found = []
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit() or int(proc.name) == os.getpid():
+    for proc in procs.processes():
+        if proc.pid == os.getpid() or not proc.argv:
             continue
         try:
-            command = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            where = os.readlink(proc / "cwd")
+            where = os.readlink(f"/proc/{proc.pid}/cwd")
         except OSError:
             continue
-        if command and (str(base) in command or where.startswith(str(base))):
-            found.append(int(proc.name))
+        if str(base).encode() in b" ".join(proc.argv) or where.startswith(str(base)):
+            found.append(proc.pid)
     return found
 
 
@@ -345,11 +338,7 @@ def measurements(run: Path, model: str, budget_ms: float) -> list[Measured]:
 
 
 def variant_settings(directory: Path) -> dict:
-    from google.protobuf import text_format
-    from tritonclient.grpc import model_config_pb2
-
-    config = model_config_pb2.ModelConfig()
-    text_format.Parse((directory / "config.pbtxt").read_text(), config)
+    config = load_config(directory / "config.pbtxt")
     return {"instance_count": sum(g.count for g in config.instance_group) or None,
             "max_batch_size": config.max_batch_size,
             "max_queue_delay_us": config.dynamic_batching.max_queue_delay_microseconds,
@@ -465,21 +454,6 @@ def _composing(text: str) -> tuple[str, tuple[str, ...]]:
     return model, tuple(name for name in composing.split(",") if name)
 
 
-def free_ports() -> dict[str, int]:
-    import socket
-
-    ports = {}
-    sockets = []
-    for name in ("http", "grpc", "metrics"):
-        sock = socket.socket()
-        sock.bind(("127.0.0.1", 0))
-        sockets.append(sock)
-        ports[name] = sock.getsockname()[1]
-    for sock in sockets:
-        sock.close()
-    return ports
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", action="append", help="a model to tune (repeatable); "
@@ -532,7 +506,8 @@ def main(argv: list[str] | None = None) -> int:
         run = base / model
         run.mkdir()
         limit = budget(model, args.budget_ms)
-        config = ma_config(model, run, repository, server, free_ports(), limit, gpu, args.smoke)
+        ports = dict(zip(("http", "grpc", "metrics"), runtime.free_ports(3)))
+        config = ma_config(model, run, repository, server, ports, limit, gpu, args.smoke)
         if args.dry_run:
             import yaml
 

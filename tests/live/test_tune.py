@@ -6,11 +6,9 @@ from __future__ import annotations
 
 import csv
 import json
-import os
 import signal
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -88,15 +86,5 @@ def test_a_stopped_run_takes_model_analyzers_server_with_it(tmp_path):
     finally:
         process.kill()
     assert process.returncode != 0
-    left = [cmd for cmd in (_command(p) for p in Path("/proc").iterdir() if p.name.isdigit())
-            if str(raw) in cmd]
+    left = tune.started_under(raw)  # by command line or working directory (perf_analyzer's)
     assert not left, left
-
-
-def _command(proc: Path) -> str:
-    """A process's command line and working directory (perf_analyzer runs in the run's)."""
-    try:
-        command = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        return f"{command} (in {os.readlink(proc / 'cwd')})"
-    except OSError:
-        return ""
