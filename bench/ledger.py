@@ -151,6 +151,8 @@ MECHANISMS = {
     "the gate: a sub-request made only if wanted, with the time left": {
         "bls_models.triton_runtime.Orchestrator._admit": lambda self, group, stage, token:
             1_000_000},
+    "outputs checked finite before the answer is built": {
+        "bls_models.triton_runtime.Orchestrator._non_finite": lambda self, arrays: None},
     "metrics kept in the stub (requests, stages, rows)": {
         "bls_models.metrics.Metrics.record": lambda self, increments=(), observations=(): None},
 }

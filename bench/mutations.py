@@ -25,10 +25,10 @@ def _patch(target: str, replacement) -> None:
     setattr(owner, attribute, replacement)
 
 
-def _single_groups(jobs, max_rows, first_stage):
+def _single_groups(jobs, max_rows, first_stage, started):
     from bls_models.group import Group
 
-    return [Group([job], first_stage) for job in jobs]
+    return [Group([job], first_stage, started) for job in jobs]
 
 
 def _unbounded_offer(self, function, *args):
@@ -38,11 +38,12 @@ def _unbounded_offer(self, function, *args):
     return True
 
 
-def plain_wait(self, batch, check_at):
+def plain_wait(self, jobs, groups, check_at):
     """What the plainest BLS does in ``Orchestrator._wait``'s place: wait until every request
     has its outcome, nothing more (also the ledger's stand-in)."""
-    while any(job.outcome is None for job in batch.jobs):
-        batch.sleep(1.0)
+    while any(job.outcome is None for job in jobs):
+        self.woken.wait(1.0)
+        self.woken.clear()
 
 
 def _settle_all(self, group, error):
@@ -57,6 +58,34 @@ def _no_stage_failure(self, group, stage, message, rows):
     return failure
 
 
+def _drive_keeping_always(self, group, memo=None):
+    """``Orchestrator._drive`` keeping stage outputs where they are in every run: a group whose
+    requests asked for different outputs, and an isolation attempt, too."""
+    from dataclasses import replace
+
+    from bls_models.drive import Call, drive
+
+    setup, group.keep = self.setup, self.keep
+    if any(len(member.outputs) != len(self.output_dtypes) for member in group.members):
+        setup = replace(setup, asked=tuple((member.rows, frozenset(member.outputs))
+                                           for member in group.members))
+    held: list = []
+    try:
+        return drive(self.run(group.inputs, Call, setup),
+                     lambda call: self._call(group, call, memo, held), self.pool)
+    finally:
+        if held:
+            self.backend.clear(held)
+
+
+def _clear_without_freeing(self, *collections):
+    """``Backend.clear`` as it was: the containers emptied, a kept tensor left to whoever drops
+    it last."""
+    with self.lock:
+        for collection in collections:
+            collection.clear()
+
+
 R = "tests/unit/test_runtime.py"
 ISO = "tests/unit/test_isolation.py"
 F = "tests/unit/test_review_findings.py"
@@ -68,7 +97,7 @@ MUTATIONS = {
                                 lambda self, inputs: None)),
     "groups": ("a batch stacked into groups",
                [f"{R}::test_each_request_gets_its_own_rows_returned_in_one_message"],
-               lambda: _patch("bls_models.triton_runtime.form", _single_groups)),
+               lambda: _patch("bls_models.group.Group.form", staticmethod(_single_groups))),
     "pool-bound": ("the pool's bound (a group finding no free thread is refused)",
                    [f"{R}::test_the_pool_bounds_what_is_out_and_refuses_what_it_cannot_run"],
                    lambda: _patch("bls_models.drive.Pool.offer", _unbounded_offer)),
@@ -90,7 +119,7 @@ MUTATIONS = {
     "cancellation": ("long batches ask whether their clients left",
                      [f"{R}::test_a_cancelled_request_stops_before_its_next_stage_and_is_counted_once"],
                      lambda: _patch("bls_models.triton_runtime.Orchestrator._ask",
-                                    lambda self, batch, jobs: [])),
+                                    lambda self, groups, jobs: [])),
     "isolation": ("isolation: halves in batches of their own",
                   [f"{ISO}::test_a_poisoned_row_fails_alone_and_the_others_get_their_own_rows",
                    f"{F}::test_3_an_innocent_never_hears_another_requests_invalid_arg"],
@@ -119,7 +148,19 @@ MUTATIONS = {
                  lambda: _patch("bls_models.backend.NotSent", _Unrelated)),
     "own": ("a borrowed output copied before its response goes",
             ["tests/unit/test_owned_outputs.py"],
-            lambda: _patch("bls_models.backend.own", lambda array: array)),
+            lambda: _patch("bls_models.backend.Backend.own", staticmethod(lambda array: array))),
+    "non-finite-outputs": ("outputs checked finite before the answer is built",
+                           ["tests/unit/test_failure_paths.py::test_an_output_driven_to_nan_fails_its_own_request_alone"],
+                           lambda: _patch("bls_models.triton_runtime.Orchestrator._non_finite",
+                                          lambda self, arrays: None)),
+    "kept-whole": ("stage outputs kept on the GPU only where every row is taken whole",
+                   ["tests/unit/test_profiles.py::test_each_request_gets_what_its_pipeline_computes_for_it_alone[gpu-pipeline-mixed-outputs]",
+                    "tests/unit/test_isolation.py::test_an_attempt_sends_only_the_stage_that_failed_in_a_full_batch_of_its_own[gpu]"],
+                   lambda: _patch("bls_models.triton_runtime.Orchestrator._drive",
+                                  _drive_keeping_always)),
+    "kept-freed": ("a kept tensor freed under the backend's lock",
+                   ["tests/unit/test_gpu_tensors.py::test_the_gpu_profile_keeps_pixels_on_the_gpu_and_frees_them_under_the_lock"],
+                   lambda: _patch("bls_models.backend.Backend.clear", _clear_without_freeing)),
     "drain-at-finalize": ("finalize waits for what is out",
                           [f"{R}::test_shutdown_waits_for_the_sub_requests_out_and_then_makes_no_pb_utils_call"],
                           lambda: _patch("bls_models.triton_runtime.SHUTDOWN_DRAIN_SECONDS", 0.0)),
@@ -154,7 +195,7 @@ def _admit_always(self, group, stage, token):
     """``_admit`` that sends whatever is asked, for a second: no check of who still wants it."""
     import time
 
-    with group.lock:
+    with self.lock:
         group.out[token] = (stage, time.monotonic(), 0.0, group.members)
     self.out.add(token)
     return 1_000_000

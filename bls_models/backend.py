@@ -24,26 +24,24 @@ class NotSent(RuntimeError):
     """A response not built or not handed to its sender, which was never used."""
 
 
-def owns_memory(array: np.ndarray) -> bool:
-    """Whether numpy allocated ``array``'s memory (for it or an array it views), rather than
-    borrowing a foreign buffer such as shared memory (r24.10 hands out copies: docs/orchestrator.md,
-    "Lifetime")."""
-    while isinstance(array, np.ndarray) and not array.flags.owndata:
-        array = array.base
-    return isinstance(array, np.ndarray)
-
-
-def own(array: np.ndarray) -> np.ndarray:
-    return array if owns_memory(array) else np.array(array, copy=True)
-
-
 class DeviceTensor:
-    """A stage output kept in GPU memory (``gpu_tensors``), passed on to the next stage."""
+    """A stage output kept where its sub-model left it (``gpu_tensors``: GPU memory), passed
+    whole to later stages by DLPack. Taking every row of it (what ``setup.rows`` gives a run whose
+    rows all asked) gives it back; a part would need a GPU array library: a ``TypeError``."""
 
-    __slots__ = ("tensor",)
+    __slots__ = ("tensor", "rows")
 
-    def __init__(self, tensor) -> None:
-        self.tensor = tensor
+    def __init__(self, tensor, rows: int) -> None:
+        self.tensor, self.rows = tensor, rows
+
+    def __len__(self) -> int:
+        return self.rows
+
+    def __getitem__(self, rows):
+        if rows != slice(None) and (isinstance(rows, slice) or list(rows) != [*range(self.rows)]):
+            raise TypeError(f"a stage output kept on the GPU is passed on whole: {rows!r} "
+                            f"selects part of its {self.rows} rows")
+        return self
 
 
 class Backend:
@@ -52,6 +50,20 @@ class Backend:
         self.lock = threading.RLock()  # logging takes it too, also from code that holds it
         self.finalized = threading.Event()
         self._cpu = pb_utils.PreferredMemory(pb_utils.TRITONSERVER_MEMORY_CPU, 0)
+        self.keep_host = False  # keep outputs in host memory by DLPack too (gpu_tensors "always")
+
+    @staticmethod
+    def owns_memory(array: np.ndarray) -> bool:
+        """Whether numpy allocated ``array``'s memory (for it or an array it views), rather than
+        borrowing a foreign buffer such as shared memory (r24.10 hands out copies:
+        docs/orchestrator.md, "Lifetime")."""
+        while isinstance(array, np.ndarray) and not array.flags.owndata:
+            array = array.base
+        return isinstance(array, np.ndarray)
+
+    @staticmethod
+    def own(array: np.ndarray) -> np.ndarray:  # a copy unless numpy owns its memory
+        return array if Backend.owns_memory(array) else np.array(array, copy=True)
 
     # -- requests (execute's thread, while the request is alive) ----------------------------
     def read(self, request, input_names):
@@ -65,7 +77,7 @@ class Backend:
                 tensor = pb.get_input_tensor_by_name(request, name)
                 if tensor is None:
                     return request_id, timeout_us, name, []
-                inputs[name] = own(tensor.as_numpy())
+                inputs[name] = self.own(tensor.as_numpy())
                 tensor = None
             return request_id, timeout_us, inputs, list(request.requested_output_names())
 
@@ -109,21 +121,24 @@ class Backend:
         """One sub-request: ``(outputs, None)`` or ``(None, its error message)``. ``gate()``,
         called under the lock as the request is made, returns its timeout (µs) or raises to
         send nothing. Outputs are the stub's own arrays (or ``reduce`` of them, while the
-        response lives); one named in ``keep`` that arrives on a GPU stays a ``DeviceTensor``."""
+        response lives); one named in ``keep`` that arrives on a GPU (or anywhere, with
+        ``keep_host``) stays a ``DeviceTensor``."""
         pb = self.pb
         request = response = tensor = None
+        devices: dict = {}
+        tensors: list = []
         try:
             with self.lock:
                 timeout_us = gate()
                 memory = {} if keep else {"preferred_memory": self._cpu}
+                for name, value in inputs.items():
+                    tensors.append(pb.Tensor.from_dlpack(name, value.tensor.to_dlpack())
+                                   if isinstance(value, DeviceTensor) else pb.Tensor(name, value))
                 request = pb.InferenceRequest(
                     model_name=model, requested_output_names=outputs, request_id=request_id,
-                    timeout=timeout_us, inputs=[
-                        pb.Tensor.from_dlpack(name, value.tensor.to_dlpack())
-                        if isinstance(value, DeviceTensor) else pb.Tensor(name, value)
-                        for name, value in inputs.items()], **memory)
+                    timeout=timeout_us, inputs=tensors, **memory)
             response = request.exec()  # blocks (GIL released) until the sub-model answers
-            views, devices = {}, {}
+            views = {}
             with self.lock:
                 if self.finalized.is_set():
                     raise Finalized(model)
@@ -132,24 +147,25 @@ class Backend:
                 for name in outputs:
                     tensor = pb.get_output_tensor_by_name(response, name)
                     if tensor is None:
-                        devices.clear()
                         return None, f"the response has no output '{name}'"
-                    if name in keep and not tensor.is_cpu():
-                        devices[name] = DeviceTensor(pb.Tensor.from_dlpack(name,
-                                                                           tensor.to_dlpack()))
+                    if name in keep and (self.keep_host or not tensor.is_cpu()):
+                        devices[name] = DeviceTensor(
+                            pb.Tensor.from_dlpack(name, tensor.to_dlpack()),
+                            len(next(iter(inputs.values()))) if inputs else 1)
                     else:
                         views[name] = tensor.as_numpy()  # CPU memory: the fallback for keep
                 tensor = None
             # numpy only, while the response (which keeps any borrowed memory) is alive
-            result = reduce(views) if reduce is not None else {n: own(v)
+            result = reduce(views) if reduce is not None else {n: self.own(v)
                                                                for n, v in views.items()}
             del views
             return {**result, **devices}, None
         finally:
-            with self.lock:  # backend objects die under the lock
+            with self.lock:  # backend objects die under the lock (kept ones are returned)
                 if self.finalized.is_set():
-                    _LEFT_AT_SHUTDOWN.append((request, response, tensor))
-                request = response = tensor = None
+                    _LEFT_AT_SHUTDOWN.append((request, response, tensor, devices, tensors[:]))
+                tensors.clear()  # a traceback may hold the list
+                request = response = tensor = devices = None
 
     # -- metrics and the log ------------------------------------------------------------------
     def metric_family(self, name: str, description: str, kind: str):
@@ -165,11 +181,16 @@ class Backend:
             metric.increment(value)  # a round trip; no lock
 
     def clear(self, *collections) -> None:
-        """Empty containers of backend objects, in order, under the lock."""
+        """Empty containers of backend objects, in order, under the lock; a ``DeviceTensor``'s
+        memory goes now, whoever else still holds the (then empty) object."""
         with self.lock:
             for collection in collections:
                 if self.finalized.is_set():
                     _LEFT_AT_SHUTDOWN.append(collection.copy())
+                else:
+                    for item in collection:
+                        if isinstance(item, DeviceTensor):
+                            item.tensor = None
                 collection.clear()
 
     def log(self, message: str, error: bool = False) -> None:

@@ -178,14 +178,17 @@ class PipelineDef:
     description: str = ""
     instance_count: int = 2
     batching: BatchingSpec = BLS_BATCHING
-    # Floating-point inputs that may hold NaN or Inf. Any other FP16/FP32/FP64 input holding one
-    # is refused INVALID_ARG, for that request alone, before its rows are stacked.
+    # Floating-point inputs and outputs that may hold NaN or Inf. Any other FP16/FP32/FP64 input
+    # holding one is refused INVALID_ARG, for that request alone, before its rows are stacked;
+    # any other output holding one fails the request whose rows it is (INVALID_ARG: its inputs
+    # drove the models there), before its answer is built.
     non_finite: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        unknown_inputs = set(self.non_finite) - {t.name for t in self.inputs}
-        if unknown_inputs:
-            raise ValueError(f"pipeline '{self.name}': non_finite names no input {unknown_inputs}")
+        unknown = set(self.non_finite) - {t.name for t in (*self.inputs, *self.outputs)}
+        if unknown:
+            raise ValueError(f"pipeline '{self.name}': non_finite names no input or output "
+                             f"{unknown}")
         names = [s.name for s in self.stages]
         if len(set(names)) != len(names) or not names:
             raise ValueError(f"pipeline '{self.name}': stage names must be unique, got {names}")

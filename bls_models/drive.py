@@ -43,9 +43,6 @@ class Gather:
         return (yield self)
 
 
-gather = Gather
-
-
 async def _awaiting(awaitable):
     return await awaitable
 

@@ -9,6 +9,7 @@ sub-request error with code INTERNAL, so the message is all there is to go on.
 
 from __future__ import annotations
 
+import re
 from enum import Enum
 
 
@@ -28,6 +29,7 @@ class Kind(str, Enum):
     QUEUE_FULL = "queue_full"      # the sub-model's queue is at max_queue_size
     NOT_READY = "not_ready"        # the sub-model is not loaded / not ready
     SHM = "shm"                    # the python backend could not grow its shared memory
+    MEMORY = "out_of_memory"       # the sub-model ran out of host or device memory: retry
     INVALID = "invalid"            # the sub-model rejected the data
     CANCELLED = "cancelled"        # cancelled (client cancellation or unload)
     FAILED = "failed"              # anything else: the sub-model failed
@@ -40,44 +42,63 @@ KIND_CODES = {
     Kind.QUEUE_FULL: Code.UNAVAILABLE,
     Kind.NOT_READY: Code.UNAVAILABLE,
     Kind.SHM: Code.UNAVAILABLE,
+    Kind.MEMORY: Code.UNAVAILABLE,
     Kind.INVALID: Code.INVALID_ARG,
     Kind.CANCELLED: Code.CANCELLED,
     Kind.FAILED: Code.INTERNAL,
     Kind.INTERNAL: Code.INTERNAL,
 }
 
-# Message fragments of Triton 2.51 (core r24.10, python_backend r24.10, the C++ onnxruntime
-# backend r24.10 over ONNX Runtime), first match wins. Keep lower case. Each was seen on a BLS
-# sub-request to a real sub-model on the real backend (tests/live/test_backend_errors.py).
-_PATTERNS: tuple[tuple[str, Kind], ...] = (
-    ("request timeout expired", Kind.DEADLINE),                   # queue policy timeout
-    ("exceeds maximum queue size", Kind.QUEUE_FULL),              # max_queue_size
-    ("failed to increase the shared memory pool size", Kind.SHM),
-    ("is not ready", Kind.NOT_READY),                             # unknown / unloaded model
-    ("is not found", Kind.NOT_READY),
-    ("cancelled", Kind.CANCELLED),
-    ("canceled", Kind.CANCELLED),
-    # Triton core refuses the request before any backend runs it:
-    ("unexpected shape for input", Kind.INVALID),
-    ("data-type is", Kind.INVALID),                               # "... but model 'm' expects"
-    ("missing required input", Kind.INVALID),
-    # The onnxruntime backend reports ONNX Runtime's status as "onnx runtime error <code>: ...";
-    # code 2 is ORT_INVALID_ARGUMENT (the data, e.g. an index out of a table). Other codes
-    # (1 FAIL, 6 RUNTIME_EXCEPTION, ...) are the model's failure.
-    ("onnx runtime error 2:", Kind.INVALID),
-    ("invalid_argument", Kind.INVALID),                           # ONNX Runtime's status name
-    ("invalid argument", Kind.INVALID),
-    ("out of bounds", Kind.INVALID),
+# What a sub-request's error message means, by the rule that names its source: Triton 2.51's core
+# (r24.10), python backend (r24.10 @ 01d0ad82), onnxruntime backend (r24.10, ONNX Runtime's
+# status as "onnx runtime error <OrtErrorCode>: ...", onnxruntime_utils.h 51-53) and tensorrt
+# backend (r24.10 @ ffcbe0b5). r24.10 hands every BLS error over as INTERNAL with its message
+# only (request_executor.cc 90, 152; pb_error.h 43-45), so the message decides: each rule
+# matches the words of one source's own message, never a word that could appear in another's.
+# The first rule that matches wins; none: FAILED. docs/orchestrator.md ("Errors") has the table
+# with every message; tests/unit/test_orchestration.py a case per row.
+_RULES: tuple[tuple[str, Kind], ...] = (
+    # core, before or in the queue
+    (r"request timeout expired", Kind.DEADLINE),                 # dynamic_batch_scheduler.cc 71
+    (r"exceeds maximum queue size", Kind.QUEUE_FULL),            # scheduler_utils.cc 172-176
+    (r"server is stopping|server not ready|is not at ready state", Kind.NOT_READY),  # 187-192;
+                                                          # server.cc 455-457; model_lifecycle 384
+    (r"request for unknown model|has no available versions", Kind.NOT_READY),  # m_r_manager 1237
+    # python backend: a sub-model missing or not ready (the two read alike: server.cc 450-472)
+    (r"failed for execute the inference request\. model '.*' is not ready", Kind.NOT_READY),
+    (r"failed to increase the shared memory pool size", Kind.SHM),       # shm_manager.cc 186-196
+    # A device or its memory failed: never the client's, whatever ONNX Runtime's code says.
+    # Out of memory is retryable (ORT's BFC arena; cudaMalloc as "CUDA failure 2: out of memory").
+    (r"failed to allocate memory for requested buffer|cuda failure 2: out of memory",
+     Kind.MEMORY),
+    # cuda_call.cc "<lib> failure N: ..."; cuda_kernel.h "CUDA error cudaError...:..." (ORT code 1
+    # or 6: onnxruntime#23149, server#7296); TensorRT enqueue and CUDA graph failures
+    # (instance_state.cc 895-940); CUDA copies (core cuda_utils.cc 155-157)
+    (r"(cuda|cublas|cudnn|curand|cufft) failure \d+:|cuda error cudaerror\w*:"
+     r"|illegal memory access|device-side assert|unable to enqueue for inference"
+     r"|unable to execute graph for inference|failed to perform cuda copy", Kind.FAILED),
+    # core's check of a request against the model's config (infer_request.cc 1080-1402,
+    # model.cc 46-48): the data the pipeline sent for its rows
+    (r"unexpected shape for input|data-type is '.*', but model '.*' expects"
+     r"|missing required input|batch-size must be <=|all input dimensions should be specified"
+     r"|input byte size mismatch|unexpected inference input|string length indicator"
+     r"|string elements for inference input", Kind.INVALID),
+    # ONNX Runtime's ORT_INVALID_ARGUMENT (2): its checks of the values it was fed (a Gather
+    # index out of bounds, a rank or dimension the graph does not take). Codes 1 (FAIL), 6
+    # (RUNTIME_EXCEPTION), 11 (EP_FAIL), ... are the model's or the device's.
+    (r"onnx runtime error 2:", Kind.INVALID),
+    # TensorRT: a shape outside the engine's optimization profile (tensorrt_utils.cc 318-336,
+    # instance_state.cc 3849-3857) or bad shape-tensor values (tensorrt_utils.cc 375-392)
+    (r"request specifies invalid shape for input|mismatch between the (number|datatypes) of "
+     r"shape values", Kind.INVALID),
 )
+_COMPILED = tuple((re.compile(pattern), kind) for pattern, kind in _RULES)
 
 
 def classify_sub_error(message: str) -> Kind:
     """The kind of a sub-request error, from its message (codes are lost in r24.10)."""
     text = message.lower()
-    for fragment, kind in _PATTERNS:
-        if fragment in text:
-            return kind
-    return Kind.FAILED
+    return next((kind for pattern, kind in _COMPILED if pattern.search(text)), Kind.FAILED)
 
 
 class PipelineError(Exception):
@@ -118,10 +139,6 @@ def internal_error(model: str, stage: str = "") -> PipelineError:
     return PipelineError(Code.INTERNAL,
                          f"internal error in orchestrator '{model}'{where} (see the server log)",
                          stage=stage, kind=Kind.INTERNAL)
-
-
-def shutting_down(model: str) -> PipelineError:
-    return PipelineError(Code.UNAVAILABLE, f"model '{model}' is shutting down")
 
 
 class Cancelled(PipelineError):

@@ -1,19 +1,17 @@
-"""A request (``Job``), a group of them run as one on their stacked rows (``Group``), and the
-batch one ``execute`` shares with the threads that run it (``Batch``). Requests of equal input
-names, dtypes and trailing shapes form groups of up to the stages' ``max_batch_size`` rows; each
-member keeps its own deadline and outcome. A group is ``closed`` once every member has one.
+"""A request (``Job``) and a group of them run as one on their stacked rows (``Group``).
+Requests of equal input names, dtypes and trailing shapes form groups of up to the stages'
+``max_batch_size`` rows; each member keeps its own deadline and outcome. A group is ``closed``
+once every member has one. Outcomes and sub-requests out change under the orchestrator's lock.
 """
 
 from __future__ import annotations
-
-import threading
 
 import numpy as np
 
 
 class Job:
     """One client request, from ``execute`` until its answer. ``outcome`` is set once, under the
-    batch's lock: the outputs of its own rows, or a ``PipelineError``."""
+    orchestrator's lock: the outputs of its own rows, or a ``PipelineError``."""
 
     __slots__ = ("request", "request_id", "arrived", "end", "limit", "budget_ms", "inputs",
                  "rows", "outputs", "outcome", "answered")
@@ -33,33 +31,12 @@ class Job:
         self.answered = False  # its response was sent (execute's thread only)
 
 
-class Batch:
-    """One ``execute``'s requests and groups: ``lock`` over their outcomes and sub-requests
-    out; ``wake``/``sleep``, a lock used as a latch (no wake-up is lost)."""
-
-    __slots__ = ("lock", "_latch", "jobs", "groups")
-
-    def __init__(self) -> None:
-        self.lock, self._latch = threading.Lock(), threading.Lock()
-        self._latch.acquire()
-        self.jobs, self.groups = [], []
-
-    def wake(self) -> None:
-        try:
-            self._latch.release()
-        except RuntimeError:  # woken already
-            pass
-
-    def sleep(self, seconds: float) -> None:
-        """Until woken (or a wake-up came since the last sleep), at most ``seconds``."""
-        self._latch.acquire(timeout=max(0.0, seconds))
-
-
 class Group:
-    __slots__ = ("members", "inputs", "rows", "ids", "out", "stage", "done", "batch", "lock",
-                 "started", "pad", "observed", "stage_failure")
+    __slots__ = ("members", "inputs", "rows", "ids", "out", "stage", "done", "started", "pad",
+                 "observed", "stage_failure", "keep")
 
-    def __init__(self, members: list[Job], first_stage: str, pad: bool = False) -> None:
+    def __init__(self, members: list[Job], first_stage: str, started: float = 0.0,
+                 pad: bool = False) -> None:
         self.members = members
         first = members[0]
         self.inputs = first.inputs if len(members) == 1 else {
@@ -71,11 +48,11 @@ class Group:
         self.out: dict[object, tuple[str, float, float, list]] = {}
         self.stage = first_stage  # the stage it is in, or last entered
         self.done: list = []  # (stage, inputs, outputs) that succeeded: what isolation re-uses
-        self.batch: Batch | None = None  # its execute's (``lock`` is ``batch.lock``)
-        self.lock, self.started = None, 0.0
+        self.started = started  # when its execute began
         self.pad = pad  # an isolation attempt: sub-requests padded to a full batch
         self.observed: list = []  # its stages' histogram observations, recorded at its end
         self.stage_failure = None  # the first failure no row causes: its members hear it
+        self.keep: dict = {}  # stage -> outputs kept where they are (gpu_tensors), for this run
 
     @property
     def closed(self) -> bool:
@@ -111,17 +88,18 @@ class Group:
             start += member.rows
         return parts
 
-
-def form(jobs: list[Job], max_rows: int, first_stage: str) -> list[Group]:
-    """``jobs`` (in arrival order) as groups of equal key, each of at most ``max_rows`` rows."""
-    open_groups: dict[tuple, tuple[list, int]] = {}
-    groups = []
-    for job in jobs:
-        k = tuple((n, v.dtype.str, v.shape[1:]) for n, v in job.inputs.items())
-        members, rows = open_groups.get(k, ([], 0))
-        if members and rows + job.rows > max_rows:
-            groups.append(members)
-            members, rows = [], 0
-        open_groups[k] = (members + [job], rows + job.rows)
-    groups += [members for members, _ in open_groups.values()]
-    return [Group(members, first_stage) for members in groups]
+    @staticmethod
+    def form(jobs: list[Job], max_rows: int, first_stage: str, started: float) -> list["Group"]:
+        """``jobs`` (in arrival order) as groups of equal key, each of at most ``max_rows``
+        rows."""
+        open_groups: dict[tuple, tuple[list, int]] = {}
+        groups = []
+        for job in jobs:
+            k = tuple((n, v.dtype.str, v.shape[1:]) for n, v in job.inputs.items())
+            members, rows = open_groups.get(k, ([], 0))
+            if members and rows + job.rows > max_rows:
+                groups.append(members)
+                members, rows = [], 0
+            open_groups[k] = (members + [job], rows + job.rows)
+        groups += [members for members, _ in open_groups.values()]
+        return [Group(members, first_stage, started) for members in groups]

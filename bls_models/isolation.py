@@ -18,18 +18,16 @@ from bls_models.errors import Kind, PipelineError
 
 
 def row_caused(error: BaseException) -> bool:
-    """Whether ``error`` may come from one request's rows: a sub-model rejecting its data, the
-    run function's ``InvalidInput``, or a bug of the run function."""
-    return not isinstance(error, PipelineError) or error.kind is Kind.INVALID
+    """Whether ``error`` may come from one request's rows: a sub-model rejecting its data, or
+    the run function's ``InvalidInput``. A bug of the pipeline's code (a ``TypeError``, an
+    ``IndexError``, ...) is no row's fault: INTERNAL for its group, never bisected."""
+    return isinstance(error, PipelineError) and error.kind is Kind.INVALID
 
 
 def pad(inputs: dict, full: int) -> tuple[dict, int | None]:
-    """``inputs`` repeated to ``full`` rows by their last row, and their own row count (None:
-    left as they are: a full batch already, or not host arrays)."""
-    values = list(inputs.values())
-    if not values or not all(isinstance(v, np.ndarray) and v.ndim >= 1 for v in values):
-        return inputs, None
-    rows = len(values[0])
+    """``inputs`` (host arrays: an attempt keeps nothing on a GPU) repeated to ``full`` rows by
+    their last row, and their own row count (None: left as they are, a full batch already)."""
+    rows = len(next(iter(inputs.values()))) if inputs else 0
     if rows == 0 or rows >= full:
         return inputs, None
     return {name: np.concatenate([value, np.repeat(value[-1:], full - rows, axis=0)])

@@ -57,13 +57,11 @@ class Metrics:
         self._watched: dict[tuple, list] = {}    # gauges read when published: [read, published]
         self._thread, self._stop = None, threading.Event()  # ``start``'s
         for family, labels in known_series(stages):
-            if FAMILIES[family][0] != "HISTOGRAM":
-                self._metric((family, *_sorted(labels)))
-                continue
-            for bound in _BOUNDS[family]:
+            histogram = FAMILIES[family][0] == "HISTOGRAM"
+            for bound in _BOUNDS[family] if histogram else ():
                 self._metric((f"{family}_bucket", *_sorted(labels, le=le(bound))))
-            self._metric((f"{family}_sum", *_sorted(labels)))
-            self._metric((f"{family}_count", *_sorted(labels)))
+            for name in (f"{family}_sum", f"{family}_count") if histogram else (family,):
+                self._metric((name, *_sorted(labels)))
 
     def _metric(self, key: tuple):
         """The pb_utils metric of a series ``(name, *sorted labels)``, made on first use."""
@@ -98,15 +96,6 @@ class Metrics:
     def watch(self, family: str, read, **labels: str) -> None:
         """A gauge whose value is ``read()`` when published: nothing is counted per event."""
         self._watched[self.key(family, **labels)] = [read, 0.0]
-
-    def pending(self, family: str, **labels: str) -> float:
-        """What the series of ``family`` with ``labels`` have not published yet, summed."""
-        wanted = set(labels.items())
-        with self._lock:
-            watched = {key: read() - sent for key, (read, sent) in self._watched.items()}
-            return sum(value for store in (self._pending, self._unsent, watched)
-                       for (name, *found), value in store.items()
-                       if name == family and wanted <= set(found))
 
     def flush(self, histograms: bool = False) -> int:
         """Publish the pending increments (and, with ``histograms``, observations); returns the

@@ -93,7 +93,9 @@ GPU_TENSORS = Param(
     "`on`: outputs that only flow into later stages stay in GPU memory and go to the next stages "
     "by DLPack, for stages whose model is configured KIND_GPU; others are copied as with `off` "
     "([production.md](production.md#gpu-tensors-between-stages-gpu_tensors)); accepted only by "
-    "pipelines with such outputs", choices=("off", "on"), listed=False)
+    "pipelines with such outputs. `always` (tests): kept by DLPack wherever they are, host "
+    "memory too, so a CPU server runs the GPU path", choices=("off", "on", "always"),
+    listed=False)
 
 COMMON: tuple[Param, ...] = (DEFAULT_DEADLINE, MAX_DEADLINE, SUBREQUEST_THREADS,
                              STAGE_MODEL_REPOSITORIES, GPU_TENSORS)
@@ -125,7 +127,7 @@ class OrchestratorConfig:
     stage_model_repositories: tuple[str, ...]
     # Pass-through outputs stay where the sub-model put them (its GPU) and go to the next stage
     # by DLPack, for stages whose model is KIND_GPU; otherwise every output is copied to the CPU.
-    gpu_tensors: bool
+    gpu_tensors: str  # off, on, always
     # The pipeline's own parameters (PipelineDef.parameters), parsed.
     options: dict[str, object] = field(default_factory=dict)
 
@@ -168,7 +170,7 @@ def parse(values: dict[str, str], accepted: tuple[Param, ...], stages: list[str]
         subrequest_threads=parsed["subrequest_threads"],
         stage_model_repositories=tuple(
             p.strip() for p in parsed["stage_model_repositories"].split(",") if p.strip()),
-        gpu_tensors=parsed.get("gpu_tensors", GPU_TENSORS.default) == "on",
+        gpu_tensors=parsed.get("gpu_tensors", GPU_TENSORS.default),
         options={name: value for name, value in parsed.items()
                  if name not in _COMMON_NAMES | stage_names},
     )

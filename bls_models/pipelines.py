@@ -216,7 +216,7 @@ def gather_all(*awaitables: Awaitable) -> Awaitable[list]:
     failures (else the first other failure); their results in order otherwise. Unlike a bare
     ``asyncio.gather``, no branch is left running unobserved when another fails: every
     sub-request a request issued is accounted for before the request is answered."""
-    return drive.gather(*awaitables)
+    return drive.Gather(*awaitables)
 
 
 class _ContractSend:

@@ -70,7 +70,8 @@ def plan(args: dict, definition: PipelineDef) -> Plan:
         group_rows=min([max(1, int(config.get("max_batch_size", 0)))]
                        + [n for n in rows.values() if n > 0]),
         keep={stage: frozenset(names) for stage, names in definition.pass_through.items()
-              if parsed.gpu_tensors and kinds.get(stage) == {"KIND_GPU"}})
+              if parsed.gpu_tensors == "always"
+              or (parsed.gpu_tensors == "on" and kinds.get(stage) == {"KIND_GPU"})})
 
 
 def onnx_path(repository: Path, model: S.ModelSpec, version: int = 1) -> Path:

@@ -19,6 +19,7 @@ docs/orchestrator.md follows one request through it.
 from __future__ import annotations
 
 import os
+import threading
 import time
 import traceback
 from dataclasses import replace
@@ -38,10 +39,9 @@ from bls_models.errors import (
     Kind,
     PipelineError,
     internal_error,
-    shutting_down,
     sub_request_failed,
 )
-from bls_models.group import Batch, Group, Job, form
+from bls_models.group import Group, Job
 from bls_models.isolation import Memo, bisect, pad, row_caused
 from bls_models.metrics import Metrics
 
@@ -57,12 +57,12 @@ class Orchestrator:
         self.backend = Backend(pb_utils, self.model)
         self.definition = pipeline if isinstance(pipeline, PipelineDef) else registered(pipeline)
         plan = repository.plan(args, self.definition)
-        self.config, self.run, self.check, self.setup = plan.config, plan.run, plan.check, \
-            plan.setup
+        self.config, self.run, self.check, self.setup = plan.config, plan.run, plan.check, plan.setup
         self.batching, self.input_names, self.keep = plan.batching, plan.input_names, plan.keep
         self.first_stage, self.group_rows = plan.first_stage, plan.group_rows
         self.output_dtypes = {name: _NUMPY[kind] for name, kind in plan.output_types.items()}
-        self.log, self.stopping = self.backend.log, False
+        self.log = self.backend.log
+        self.backend.keep_host = self.config.gpu_tensors == "always"
         self.metrics = Metrics(self.backend, self.model, list(self.config.stages),
                                stub=str(os.getpid()))
         key = self.metrics.key
@@ -71,13 +71,17 @@ class Orchestrator:
         self._stage_keys = {stage: (key("bls_subrequest_rows", stage=stage),
                                     key("bls_stage_latency_seconds", stage=stage))
                             for stage in self.config.stages}
-        self.inflight = self.executing = 0  # execute's thread only
+        self.inflight = 0  # execute's thread only
+        # r24.10 runs one execute at a time per instance (pb_stub.cc 2157-2176, 381-388): one
+        # lock over the outcomes and sub-requests out; ``woken`` wakes execute's thread.
+        self.lock, self.woken = threading.Lock(), threading.Event()
         self.out: set = set()  # sub-requests out (set operations hold under the GIL)
+        self.abandoned: set = set()  # those of them no request waits for (under ``lock``)
         self.metrics.watch("bls_inflight_requests", lambda: self.inflight)
         self.metrics.watch("bls_inflight_subrequests", self.out.__len__)
         self.log(f"orchestrating '{self.definition.name}': {self.config}; contracts "
                  f"{ {stage: c.name for stage, c in plan.contracts.items()} }; groups of up to "
-                 f"{self.group_rows} rows; kept on the GPU: {self.keep}")
+                 f"{self.group_rows} rows; kept by DLPack: {self.keep}")
         # Last: every pb_utils call of initialize is made before a second thread exists.
         self.pool = Pool(self.config.subrequest_threads, f"{self.model}-worker", self.log)
         self.metrics.start(f"{self.model}-metrics")
@@ -86,36 +90,32 @@ class Orchestrator:
     def execute(self, requests):
         """Answer the batch: every answer is given before this returns. Never raises."""
         arrived = time.monotonic()
-        batch = Batch()
-        self.executing += 1
+        jobs: list[Job] = []
+        groups: list[Group] = []
         self.inflight += len(requests)
         try:
             for request in requests:
-                batch.jobs.append(self._receive(request, arrived))
-            live = [job for job in batch.jobs if job.outcome is None]
+                jobs.append(self._receive(request, arrived))
+            live = [job for job in jobs if job.outcome is None]
             if live:
-                batch.groups = form(live, self.group_rows, self.first_stage)
-                for group in batch.groups:
-                    group.batch, group.lock, group.started = batch, batch.lock, arrived
-                for group in batch.groups:  # on the pool: this thread keeps their time
+                groups += Group.form(live, self.group_rows, self.first_stage, arrived)
+                for group in groups:  # on the pool: this thread keeps their time
                     if not self.pool.offer(self._run, group):
                         self._settle(group, PipelineError(
                             Code.UNAVAILABLE, f"orchestrator '{self.model}': all "
                             f"{self.pool.size} sub-request threads are busy: retry"))
-                self._wait(batch, arrived + CANCEL_CHECK_SECONDS)
+                self._wait(jobs, groups, arrived + CANCEL_CHECK_SECONDS)
         except BaseException:  # noqa: BLE001 - execute must not raise (python_be.cc deletes every factory)
             self.log(f"execute failed:\n{traceback.format_exc()}", error=True)
-            with batch.lock:
-                for request in requests[len(batch.jobs):]:
-                    batch.jobs.append(Job(request, "", arrived, 0, 1, 1))
-                for job in batch.jobs:
+            with self.lock:
+                for request in requests[len(jobs):]:
+                    jobs.append(Job(request, "", arrived, 0, 1, 1))
+                for job in jobs:
                     if job.outcome is None:
                         job.outcome = internal_error(self.model)
         try:
-            return self._respond(batch.jobs)
+            return self._respond(jobs)
         finally:
-            batch.groups = batch.jobs = []  # no cycle with its groups: freed at once
-            self.executing -= 1
             self.inflight -= len(requests)
 
     def _receive(self, request, arrived: float) -> Job:
@@ -151,33 +151,34 @@ class Orchestrator:
         if self.check is not None:
             self.check(inputs, self.setup)
 
-    def _wait(self, batch: Batch, check_at: float) -> None:
-        """Until every request of ``batch`` has its outcome, keep their time: members past
+    def _wait(self, jobs: list[Job], groups: list[Group], check_at: float) -> None:
+        """Until every one of ``jobs`` has its outcome, keep their time: members past
         their deadline, or their stage's timeout, get the deadline error; from ``check_at`` on,
         every CANCEL_CHECK_SECONDS, the clients are asked whether they left. Each answer so
         decided, and any other still waiting when its deadline passes, is sent at once."""
         kept: set[Job] = set()  # answers the sender could not take: returned instead
         while True:
             now = time.monotonic()
-            with batch.lock:
-                expired = {job for group in batch.groups for job in self._expire(group, now)}
-                due = [job for job in batch.jobs if job.outcome is not None and not job.answered
+            with self.lock:
+                expired = {job for group in groups for job in self._expire(group, now)}
+                due = [job for job in jobs if job.outcome is not None and not job.answered
                        and job not in kept and (job in expired or job.end <= now)]
-                pending = [job for job in batch.jobs if job.outcome is None]
+                pending = [job for job in jobs if job.outcome is None]
                 wake = min([check_at, *(job.end for job in pending),
-                            *(ends for group in batch.groups
+                            *(ends for group in groups
                               for _, _, ends, members in group.out.values()
                               if ends and any(m.outcome is None for m in members))])
             if not pending:
                 return  # execute's list answers the rest
-            for job in due + (self._ask(batch, pending) if now >= check_at else []):
+            for job in due + (self._ask(groups, pending) if now >= check_at else []):
                 if not self._send(job):
                     kept.add(job)
             if now >= check_at:
                 check_at = now + CANCEL_CHECK_SECONDS
-            batch.sleep(wake - time.monotonic())
+            self.woken.wait(max(0.0, wake - time.monotonic()))
+            self.woken.clear()  # before the state is read again: no wake-up is lost
 
-    def _ask(self, batch: Batch, jobs: list[Job]) -> list[Job]:
+    def _ask(self, groups: list[Group], jobs: list[Job]) -> list[Job]:
         """Those of ``jobs`` whose client left, answered CANCELLED (each asks: an IPC round
         trip)."""
         left = []
@@ -187,13 +188,13 @@ class Orchestrator:
                     left.append(job)
             except Exception:  # noqa: BLE001 - it goes on; its answer says how it ends
                 self.log(f"is_cancelled() failed:\n{traceback.format_exc()}", error=True)
-        with batch.lock:
+        with self.lock:
             left = [job for job in left if job.outcome is None]
             for job in left:
-                group = next(g for g in batch.groups if job in g.members)
+                group = next(g for g in groups if job in g.members)
                 job.outcome = Cancelled(group.where())
                 self.metrics.increment("bls_cancelled_requests_total", stage=group.where())
-                self._closing(group)
+                self._closing(group, Kind.CANCELLED)
         return left
 
     def _expire(self, group: Group, now: float) -> list[Job]:
@@ -217,17 +218,19 @@ class Orchestrator:
         for job in expired:
             self.metrics.increment("bls_deadline_exceeded_total", stage=job.outcome.stage)
         if expired:
-            self._closing(group)
+            self._closing(group, Kind.DEADLINE)
         return expired
 
-    def _closing(self, group: Group) -> None:
-        """(under the lock) ``group`` may have closed: what it has out is abandoned."""
-        if group.closed:
-            for stage, *_ in group.out.values():
+    def _closing(self, group: Group, kind: Kind) -> None:
+        """(under the lock) Each sub-request ``group`` (or an isolation attempt of it) has out
+        whose requests all have their answers now is abandoned, for ``kind``: counted once."""
+        for token, (stage, _, _, members) in group.out.items():
+            if token not in self.abandoned and all(m.outcome is not None for m in members):
+                self.abandoned.add(token)
                 self.metrics.record(increments=(
                     (self.metrics.key("bls_abandoned_subrequests_total", stage=stage), 1),
                     (self.metrics.key("bls_subrequest_errors_total", stage=stage,
-                                      kind=Kind.DEADLINE.value), 1)))
+                                      kind=kind.value), 1)))
 
     # -- answers (execute's thread) -----------------------------------------------------------
     def _content(self, job: Job) -> tuple[str, dict]:
@@ -243,12 +246,26 @@ class Orchestrator:
                         raise ValueError(f"output '{name}' has shape {array.shape}, not "
                                          f"{job.rows} rows like the request")
                     arrays.append((name, array))
-                return "SUCCESS", {"arrays": arrays}
+                outcome = self._non_finite(arrays)
+                if outcome is None:
+                    return "SUCCESS", {"arrays": arrays}
             except Exception:  # noqa: BLE001 - the orchestrator's own failure: INTERNAL
                 self.log(f"the response of '{job.request_id}' could not be built:\n"
                          f"{traceback.format_exc()}", error=True)
                 outcome = internal_error(self.model)
         return outcome.code.value, {"message": outcome.message, "code": outcome.code.value}
+
+    def _non_finite(self, arrays: list) -> InvalidInput | None:
+        """A request's failure if an output the contract keeps finite holds NaN or Inf: its
+        inputs drove the models out of range (a finite -3e38 pixel does)."""
+        for name, array in arrays:
+            if (array.dtype.kind == "f" and name not in self.definition.non_finite
+                    and not np.isfinite(array).all()):
+                bad = tuple(int(i) for i in np.argwhere(~np.isfinite(array))[0])
+                return InvalidInput(f"output {name} would hold {array[bad]} (first at {bad}): "
+                                    f"the request's {', '.join(self.input_names)} drive the "
+                                    "models out of range; send values they expect")
+        return None
 
     def _send(self, job: Job) -> bool:
         """Answer ``job`` now, through its response sender; False (unanswered) if the sender
@@ -271,18 +288,20 @@ class Orchestrator:
     def _respond(self, jobs: list[Job]) -> list:
         """``execute``'s list: a response for each job not sent already. Never raises."""
         responses, answered = [], []
-        plain = {"message": internal_error(self.model).message, "code": "INTERNAL"}
         for job in jobs:
             response = None
             if not job.answered:
                 job.answered = True
-                for code, content in (self._content(job), ("INTERNAL", plain)):  # noqa: B007
+                code, content = self._content(job)
+                for _ in range(2):  # then the plainest answer
                     try:
                         response = self.backend.response(**content)
                         break
                     except Exception:  # noqa: BLE001 - the plainer answer is tried next
                         self.log(f"a response could not be built:\n{traceback.format_exc()}",
                                  error=True)
+                        code, content = "INTERNAL", {"message": internal_error(
+                            self.model).message, "code": "INTERNAL"}
                 answered.append((job, code if response is not None else "SEND_FAILED"))
             responses.append(response)
             job.request = job.inputs = None
@@ -307,19 +326,20 @@ class Orchestrator:
         except Exception as error:  # noqa: BLE001 - the group's failure, or a bug
             self._failed(group, error)
         else:
-            with group.lock:
+            with self.lock:
                 for member, part in zip(group.members, parts):
                     if member.outcome is None:
                         member.outcome = part
-            group.batch.wake()
+            self.woken.set()
         finally:
             group.done = []
 
     def _drive(self, group: Group, memo: Memo | None = None):
-        setup = self.setup
+        setup, group.keep = self.setup, {} if group.pad else self.keep
         if any(len(member.outputs) != len(self.output_dtypes) for member in group.members):
             setup = replace(setup, asked=tuple((member.rows, frozenset(member.outputs))
                                                for member in group.members))
+            group.keep = {}  # its run selects rows of a stage's outputs: host memory
         held: list = []  # DeviceTensors its stages kept: released under the lock at the end
         try:
             return drive(self.run(group.inputs, Call, setup),
@@ -339,7 +359,7 @@ class Orchestrator:
         if not live:
             return
         error = group.stage_failure or error  # a stage failing as a whole: no isolation
-        if not row_caused(error) or self.stopping:
+        if not row_caused(error):
             self._settle(group, error)
             return
         self.metrics.increment("bls_isolated_requests_total", len(live))
@@ -347,10 +367,8 @@ class Orchestrator:
         group.done = []
 
         def attempt(part):
-            trial = Group(part, self.first_stage, pad=True)
-            # Its sub-requests are the group's: where it waits, what the timekeeper watches.
-            trial.batch, trial.lock, trial.started, trial.out = (group.batch, group.lock,
-                                                                 group.started, group.out)
+            trial = Group(part, self.first_stage, group.started, pad=True)
+            trial.out = group.out  # its sub-requests are the group's: the timekeeper sees them
             return trial.split(self._drive(trial, memo))
 
         bisect(live, error, getattr(error, "shared", False), attempt,
@@ -363,11 +381,14 @@ class Orchestrator:
             outcome = internal_error(self.model)  # a bug: logged where it was caught
         elif isinstance(outcome, PipelineError):
             outcome.__traceback__ = outcome.__context__ = outcome.__cause__ = None
-        with group.lock:
+        given = 0
+        with self.lock:
             for member in members or group.members:
                 if member.outcome is None:
-                    member.outcome = outcome
-        group.batch.wake()
+                    member.outcome, given = outcome, given + 1
+        if given and getattr(outcome, "kind", None) is Kind.DEADLINE:  # e.g. a queue's timeout
+            self.metrics.increment("bls_deadline_exceeded_total", given, stage=outcome.stage)
+        self.woken.set()
 
     def _call(self, group: Group, call: Call, memo: Memo | None, held: list) -> dict:
         """One sub-request of ``group``, sent on this thread: its outputs, else raises its
@@ -378,11 +399,10 @@ class Orchestrator:
             if known is not None:
                 self.metrics.increment("bls_isolation_reused_subrequests_total", stage=stage)
                 return known
-        keep = self.keep.get(stage, frozenset())
-        if group.pad and stage in self.batching and not keep:
+        keep = group.keep.get(stage, frozenset())
+        if group.pad and stage in self.batching:
             inputs, rows = pad(inputs, self.setup.max_rows[stage])
-        sent = next((len(v) for v in call.inputs.values() if not isinstance(v, DeviceTensor)),
-                    group.rows)
+        sent = len(next(iter(call.inputs.values()))) if call.inputs else group.rows
         token, started = object(), time.monotonic()
         try:
             outputs, message = self.backend.infer(
@@ -390,28 +410,28 @@ class Orchestrator:
                 lambda: self._admit(group, stage, token), keep, call.reduce)
         except (Abandoned, PipelineError):
             raise
-        except Finalized:
-            raise shutting_down(self.model) from None
+        except Finalized:  # every member was answered before finalize began
+            raise Abandoned from None
         except Exception:  # noqa: BLE001 - exec or this runtime failed: the stage's own failure
-            if self.stopping:  # r24.10's exec raises once finalize has begun
-                raise shutting_down(self.model) from None
             self.log(f"stage '{stage}': sub-request failed:\n{traceback.format_exc()}",
                      error=True)
             self.metrics.increment("bls_subrequest_errors_total", stage=stage,
                                    kind=Kind.INTERNAL.value)
             raise internal_error(self.model, stage) from None
         finally:
-            with group.lock:
+            with self.lock:
                 out = group.out.pop(token, None) is not None
-                closed = group.closed
+                closed, abandoned = group.closed, token in self.abandoned
+                self.abandoned.discard(token)
             if out:
                 self.out.discard(token)
                 rows_key, latency_key = self._stage_keys[stage]
                 group.observed += ((rows_key, sent), (latency_key, time.monotonic() - started))
         if keep and outputs:
             held += [value for value in outputs.values() if isinstance(value, DeviceTensor)]
-        if closed:
+        if abandoned:
             self.metrics.increment("bls_abandoned_subrequests_completed_total", stage=stage)
+        if closed:
             raise Abandoned
         if message is not None:
             raise self._failure(group, stage, message, sent)
@@ -425,12 +445,10 @@ class Orchestrator:
         """(under the backend's lock, as a sub-request is made) Whether it is still wanted, and
         its time (µs): the latest live member's, capped by its stage's timeout."""
         cap = self.config.stages[stage].timeout_ms / 1e3
-        with group.lock:
+        with self.lock:
             last = group.latest()
             if last is None:
                 raise Abandoned
-            if self.stopping:
-                raise shutting_down(self.model)
             now = time.monotonic()
             left, ends = last.end - now, 0.0
             if cap and cap < left:
@@ -442,7 +460,7 @@ class Orchestrator:
             group.out[token] = (stage, now, ends, group.members)
         self.out.add(token)
         if ends:
-            group.batch.wake()  # execute has an earlier time to keep
+            self.woken.set()  # execute has an earlier time to keep
         return max(1, int(left * 1e6))
 
     def _failure(self, group: Group, stage: str, message: str, rows: int) -> PipelineError:
@@ -460,15 +478,11 @@ class Orchestrator:
 
     # -- counts, metrics, shutdown ------------------------------------------------------------
     def close(self) -> None:
-        """``finalize``: send no more sub-requests (r24.10 refuses them); wait (bounded) for
-        what runs and what is out, publish the metrics. No pb_utils call follows. Never
-        raises."""
+        """``finalize``, which r24.10 runs only between two ``execute`` calls (``pb_stub.cc``
+        2157-2176): every request is answered; what is out was abandoned. Wait (bounded) for
+        it, publish the metrics. No pb_utils call follows. Never raises."""
         try:
-            self.stopping = True
-            give_up = time.monotonic() + SHUTDOWN_DRAIN_SECONDS
-            while self.executing and time.monotonic() < give_up:  # one running still (tests)
-                time.sleep(0.02)
-            stuck = self.pool.shutdown(max(0.0, give_up - time.monotonic()))
+            stuck = self.pool.shutdown(SHUTDOWN_DRAIN_SECONDS)
             if stuck:
                 self.log(f"{stuck} thread(s) still wait on a sub-model at shutdown: left to "
                          "the process's exit; they make no pb_utils call", error=True)
@@ -481,20 +495,22 @@ class Orchestrator:
 
 def python_model(pipeline: PipelineDef | str) -> type:
     """The ``TritonPythonModel`` class of an orchestrator running ``pipeline`` (a definition, or
-    a registered one's name): a model.py is ``TritonPythonModel = python_model(...)``."""
+    a registered one's name): a model.py is ``TritonPythonModel = python_model(...)``. It is an
+    ``Orchestrator``: Triton makes it with no arguments and calls ``initialize``, ``execute``
+    and ``finalize``."""
     name = pipeline if isinstance(pipeline, str) else pipeline.name
 
-    class TritonPythonModel:
+    class TritonPythonModel(Orchestrator):
+        def __init__(self) -> None:  # initialize sets it up
+            pass
+
         def initialize(self, args):
             import triton_python_backend_utils as pb_utils
 
-            self.orchestrator = Orchestrator(pb_utils, args, pipeline)
-
-        def execute(self, requests):
-            return self.orchestrator.execute(requests)
+            Orchestrator.__init__(self, pb_utils, args, pipeline)
 
         def finalize(self):
-            self.orchestrator.close()
+            self.close()
 
     TritonPythonModel.pipeline = pipeline  # what modelgen.configs renders the config from
     TritonPythonModel.__qualname__ = f"TritonPythonModel[{name}]"

@@ -45,14 +45,59 @@ def committed_config(model: str) -> dict:
     return json_format.MessageToDict(config, preserving_proto_field_name=True)
 
 
+# The profile the unit tests' orchestrators are made in: "cpu" (the committed repository) or
+# "gpu" (the GPU profile as rendered: its ONNX models KIND_GPU, so the fake answers their outputs
+# in GPU memory unless asked for host memory). Set by tests/unit/conftest.py's ``profile``.
+PROFILES = ("cpu", "gpu")
+profile = "cpu"
+_RENDERED: dict[str, Path] = {}
+
+
+def rendered_repository(name: str) -> Path:
+    """The configs of GPU profile ``name`` (no model files), written once per test session."""
+    if name not in _RENDERED:
+        import tempfile
+
+        from modelgen import profiles
+
+        out = Path(tempfile.mkdtemp(prefix=f"bls-{name}-profile-"))
+        for model, text in profiles.render(name).items():
+            (out / model / "1").mkdir(parents=True)
+            (out / model / "config.pbtxt").write_text(text)
+        _RENDERED[name] = out
+    return _RENDERED[name]
+
+
+def gpu_models(repository_dir: Path) -> set[str]:
+    """The models of ``repository_dir`` whose instances are all KIND_GPU."""
+    from bls_models.params import Stage
+    from bls_models.repository import stage_kinds
+
+    names = [p.parent.name for p in repository_dir.glob("*/config.pbtxt")]
+    kinds = stage_kinds([repository_dir], {n: Stage(n, n, 0) for n in names})
+    return {name for name, found in kinds.items() if found == {"KIND_GPU"}}
+
+
 def orchestrator(pb: FakePbUtils, model: str = "pipeline", pipeline=None,
                  **parameters: str) -> Orchestrator:
-    """``model``'s orchestrator as committed, with ``parameters`` set over its config's."""
+    """``model``'s orchestrator as committed (``profile`` "cpu") or as the GPU profile renders it
+    ("gpu": the fake's sub-models on KIND_GPU answer in GPU memory), with ``parameters`` set
+    over its config's; every object call it makes must hold its backend's lock."""
+    directory = REPOSITORY
     config = committed_config(model)
+    if profile != "cpu" and (directory := rendered_repository(profile)).joinpath(model).is_dir():
+        config = json_format.MessageToDict(
+            repository.load_config(directory / model / "config.pbtxt"),
+            preserving_proto_field_name=True)
+        if not pb.gpu:
+            pb.gpu = frozenset(gpu_models(directory))
+    else:
+        directory = REPOSITORY
     config["parameters"].update({k: {"string_value": v} for k, v in parameters.items()})
-    return Orchestrator(pb, {"model_name": model, "model_config": json.dumps(config),
-                             "model_repository": str(REPOSITORY / model)},
-                        pipeline or model)
+    made = Orchestrator(pb, {"model_name": model, "model_config": json.dumps(config),
+                             "model_repository": str(directory / model)}, pipeline or model)
+    pb.object_lock = made.backend.lock
+    return made
 
 
 def delay_for(request, model: str) -> float:
@@ -109,8 +154,15 @@ def settled_metric(pb: FakePbUtils, family: str, **labels: str) -> float:
 
 
 def counted(pb, orch, family: str, **labels) -> float:
-    """A series' value, published or not yet."""
-    return pb.metric(family, **labels) + orch.metrics.pending(family, **labels)
+    """A series' value, published or not yet (read from the runtime's own stores: a flush
+    could fail, or follow finalize)."""
+    metrics, wanted = orch.metrics, set(labels.items())
+    with metrics._lock:
+        watched = {key: read() - sent for key, (read, sent) in metrics._watched.items()}
+        pending = sum(value for store in (metrics._pending, metrics._unsent, watched)
+                      for (name, *found), value in store.items()
+                      if name == family and wanted <= set(found))
+    return pb.metric(family, **labels) + pending
 
 
 # -- live: real servers ---------------------------------------------------------------------------

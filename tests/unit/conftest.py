@@ -4,6 +4,18 @@ from __future__ import annotations
 
 import pytest
 
+from tests import helpers
+
+
+@pytest.fixture(params=helpers.PROFILES)
+def profile(request):
+    """Run the test under each profile: the committed (CPU) configs, and the GPU profile as
+    rendered, where KIND_GPU sub-models answer in GPU memory (``helpers.orchestrator``). A
+    module opts in with ``pytestmark = pytest.mark.usefixtures("profile")``."""
+    helpers.profile = request.param
+    yield request.param
+    helpers.profile = "cpu"
+
 
 @pytest.fixture
 def made():

@@ -30,10 +30,19 @@ What it holds to, as r24.10 does (source files of triton-inference-server/python
 * **Faults.** ``fake.faults.plan(name, "once" | "always", after=k)`` makes the named call raise
   ``InjectedFault`` (once: the first call after ``k`` unaffected ones). Names:
   ``get_input_tensor_by_name``, ``as_numpy`` (of a request's input), ``get_response_sender``,
-  ``request_id``, ``timeout``, ``requested_output_names``, ``Tensor``, ``InferenceRequest``,
+  ``request_id``, ``timeout``, ``requested_output_names``, ``Tensor``, ``from_dlpack``,
+  ``InferenceRequest``,
   ``exec``, ``get_output_tensor_by_name``, ``InferenceResponse``, ``TritonError``, ``send``,
   ``is_cancelled``, ``metric`` (creating or incrementing a metric) and ``Logger``. The fake's
   own sub-models build their responses without the faults.
+* **Where a sub-response's outputs live** (``FakePbUtils(models, gpu=...)``: the sub-models
+  whose instances are KIND_GPU). A sub-request that names no ``preferred_memory`` gets its
+  outputs where the producing instance put them: in GPU memory for a KIND_GPU model, as
+  r24.10's BLS response allocator leaves them (see ``_GpuTensor`` for the source lines). Such a
+  tensor answers ``is_cpu()`` False, refuses ``as_numpy()`` as r24.10 does, and crosses to the
+  next sub-request only by ``to_dlpack`` / ``Tensor.from_dlpack`` (a capsule is consumed once).
+  ``PreferredMemory(TRITONSERVER_MEMORY_CPU, 0)`` brings them to host memory. Freeing one is an
+  object call: it must happen under ``object_lock`` when a test sets it.
 * **After finalize** returned, every pb_utils call is a violation.
 * **The runtime's invariants** (bls_models/triton_runtime.py), checked by ``check()`` after every
   unit test (tests/unit/conftest.py): every request handed to ``execute`` got exactly one final
@@ -118,9 +127,17 @@ class TritonError:
         return self._code
 
 
+class TritonModelException(Exception):
+    """What pb_utils raises for a failed call into the stub (pybind11 translates r24.10's
+    ``PythonBackendException`` to ``pb_utils.TritonModelException``: ``pb_stub.cc``)."""
+
+
 class Tensor:
     def __init__(self, name: str, array) -> None:
-        self._name, self._array = name, np.asarray(array)
+        array = np.asarray(array)
+        if array.dtype == object:  # pybind11 cannot make a tensor of it (r24.10 ``pb_stub.cc``)
+            raise TritonModelException(f"Unsupported tensor data for '{name}': {type(array)}")
+        self._name, self._array = name, array
 
     def name(self) -> str:
         return self._name
@@ -130,6 +147,72 @@ class Tensor:
 
     def is_cpu(self) -> bool:
         return True
+
+    def to_dlpack(self) -> "_Capsule":
+        return _Capsule(self._array, None)
+
+    @staticmethod
+    def from_dlpack(name: str, capsule) -> "Tensor":
+        """r24.10 ``PbTensor::FromDLPack`` (``pb_tensor.cc``): a tensor over the capsule's memory,
+        on its device; the capsule is consumed (DLPack: at most once)."""
+        array, device = capsule.consume()
+        if not array.flags.c_contiguous:
+            raise TritonModelException("DLPack tensor is not contiguous. Only contiguous DLPack "
+                                       "tensors that are stored in C-Order are supported.")
+        return Tensor(name, array) if device is None else _GpuTensor(name, array, device)
+
+
+class _Capsule:
+    """A DLPack capsule: memory and its device (None: the host); usable once."""
+
+    def __init__(self, array: np.ndarray, device) -> None:
+        self._array, self._device, self._used = array, device, False
+
+    def consume(self):
+        if self._used:
+            raise TritonModelException("DLPack capsule was already consumed")
+        self._used = True
+        return self._array, self._device
+
+
+class _GpuTensor(Tensor):
+    """A tensor in GPU memory, as r24.10 hands one out (python_backend r24.10, 01d0ad82):
+
+    * a BLS sub-request names no memory unless asked (``preferred_memory`` defaults to
+      ``kDefault``, ``src/pb_stub.cc`` 1777-1778); the response allocator then uses the memory
+      the producing backend asks for (``src/request_executor.cc`` 205-208), which for the
+      onnxruntime backend on a KIND_GPU instance is its GPU (onnxruntime_backend r24.10
+      ``src/onnxruntime.cc`` 2017-2022, 2080-2087); a named memory overrides it (209-216).
+      Triton's own QA asserts ``not output.is_cpu()`` there (server r24.10
+      ``qa/python_models/bls_onnx_warmup/model.py`` 58-60);
+    * ``is_cpu()`` is false (``src/pb_tensor.cc`` 181-190); ``as_numpy()`` raises
+      ``TritonModelException("Tensor is stored in GPU and cannot be converted to NumPy.")``
+      (518-520; the exception registered at ``src/pb_stub.cc`` 1964-1965);
+    * ``to_dlpack()`` hands out the same memory, no copy, for CPU and GPU tensors alike
+      (273-316); ``Tensor.from_dlpack`` takes it, C-contiguous only, on the capsule's device,
+      and renames the capsule "used_dlpack": it is consumed (342-499);
+    * ``pb_utils.Tensor(name, array)`` builds CPU tensors only, from numpy (47-86, 237-241).
+    """
+
+    fake: "FakePbUtils | None" = None
+
+    def __init__(self, name: str, array, device: int, fake=None) -> None:
+        self._name, self._array, self._device = name, np.asarray(array), device
+        self.fake = fake
+
+    def as_numpy(self) -> np.ndarray:
+        raise TritonModelException("Tensor is stored in GPU and cannot be converted to NumPy.")
+
+    def is_cpu(self) -> bool:
+        return False
+
+    def to_dlpack(self) -> _Capsule:
+        return _Capsule(self._array, self._device)
+
+    def __del__(self) -> None:
+        fake = self.fake
+        if fake is not None and not fake.finalized:
+            fake.freed(f"GPU tensor '{self._name}'")
 
 
 class InferenceResponse:
@@ -212,7 +295,7 @@ class Request:
     def __init__(self, inputs: dict[str, np.ndarray], request_id: str = "",
                  timeout_us: int = 0, outputs=()) -> None:
         # The request's memory, not numpy's (as shared memory is): a runtime that keeps an
-        # input must copy it (``backend.owns_memory`` says it does not own it).
+        # input must copy it (``Backend.owns_memory`` says it does not own it).
         self._buffers = {name: _foreign(np.asarray(value)) for name, value in inputs.items()}
         self._sent = {name: np.array(value, copy=True) for name, value in inputs.items()}
         self._id, self._timeout, self._outputs = request_id, timeout_us, list(outputs)
@@ -327,8 +410,10 @@ class FakePbUtils:
     TRITONSERVER_RESPONSE_COMPLETE_FINAL = 1
     TRITONSERVER_MEMORY_CPU, TRITONSERVER_MEMORY_GPU = 0, 2
 
-    def __init__(self, models: dict) -> None:
+    def __init__(self, models: dict, gpu=()) -> None:
         self.models = models
+        self.gpu = frozenset(gpu)  # sub-models whose instances are KIND_GPU
+        self.object_lock = None  # a lock every object call must be made under (None: any)
         self.faults = Faults()
         self.state = threading.Lock()
         self.metrics: dict[tuple, float] = {}   # (family, *sorted labels) -> value
@@ -354,6 +439,15 @@ class FakePbUtils:
                 fake.enter("Tensor")
                 fake.faults.check("Tensor")
                 super().__init__(name, array)
+
+            @staticmethod
+            def from_dlpack(name, capsule):
+                fake.enter("Tensor.from_dlpack")
+                fake.faults.check("from_dlpack")
+                tensor = Tensor.from_dlpack(name, capsule)
+                if isinstance(tensor, _GpuTensor):
+                    tensor.fake = fake
+                return tensor
 
         class FaultyResponse(InferenceResponse):
             def __init__(self, output_tensors=None, error=None) -> None:
@@ -394,7 +488,8 @@ class FakePbUtils:
                 fake.enter("InferenceRequest")
                 fake.faults.check("InferenceRequest")
                 fake.check_wanted(request_id)
-                self.model, self.inputs = model_name, {t.name(): t.as_numpy() for t in inputs}
+                # What the sub-model reads (Triton copies between devices as its backend asks).
+                self.model, self.inputs = model_name, {t.name(): t._array for t in inputs}
                 self.outputs, self.request_id = list(requested_output_names), request_id
                 self.timeout, self.preferred_memory = timeout, preferred_memory
 
@@ -418,12 +513,23 @@ class FakePbUtils:
                     outputs = function(self.inputs, self)
                 except SubModelError as error:
                     return InferenceResponse(error=TritonError(str(error)))
-                return InferenceResponse(output_tensors=[Tensor(n, outputs[n])
+                return InferenceResponse(output_tensors=[fake.output(self, n, outputs[n])
                                                          for n in self.outputs if n in outputs])
 
         self.Tensor, self.InferenceResponse, self.TritonError = \
             FaultyTensor, FaultyResponse, FaultyError
         self.MetricFamily, self.Logger, self.InferenceRequest = MetricFamily, Logger, InferenceRequest
+
+    def output(self, request, name: str, array) -> Tensor:
+        """A sub-response output, in the memory r24.10 gives it: see ``_GpuTensor``."""
+        memory = request.preferred_memory
+        on_gpu = request.model in self.gpu and (memory is None
+                                               or memory[0] == self.TRITONSERVER_MEMORY_GPU)
+        return _GpuTensor(name, array, 0, self) if on_gpu else Tensor(name, array)
+
+    def freed(self, what: str) -> None:
+        """Backend memory freed: an object call, under ``object_lock`` when one is set."""
+        self.enter(f"~{what}")
 
     # -- the rules -----------------------------------------------------------------------------
     def enter(self, name: str, ipc: bool = False) -> None:
@@ -440,6 +546,8 @@ class FakePbUtils:
         # two threads made such calls at once (``free(): invalid size``), so none may overlap
         # another thread's. The check yields once inside the call, so that two unserialised
         # threads meet here as they would in the real stub.
+        if self.object_lock is not None and not _held_by_this_thread(self.object_lock):
+            self.violation(f"{name} made without the backend's lock")
         me = threading.get_ident()
         with self.state:
             others = [n for t, n in self._inside.items() if t != me]

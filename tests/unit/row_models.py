@@ -24,7 +24,8 @@ from tests.unit.fake_pb_utils import SubModelError
 POISON = 13
 ITEM_ERROR = ("onnx runtime error 2: Non-zero status code returned while running Gather node: "
               "indices element out of data bounds")
-STAGE_ERROR = "onnx runtime error 6: Failed to allocate memory for requested buffer"
+STAGE_ERROR = ("onnx runtime error 6: Non-zero status code returned while running Conv node. "
+               "Name:'conv_1' Status Message: the kernel failed")
 
 
 def delay_ms(request_id: str, stage: str) -> float:

@@ -11,7 +11,8 @@ import time
 import pytest
 
 from bls_models import drive
-from bls_models.drive import Abandoned, Call, Pool, gather
+from bls_models.drive import Abandoned, Call, Pool
+from bls_models.drive import Gather as gather
 from bls_models.errors import Code, PipelineError
 
 

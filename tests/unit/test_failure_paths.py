@@ -15,11 +15,11 @@ import numpy as np
 import pytest
 
 from bls_models import spec as S
-from bls_models import triton_runtime
 from bls_models.drive import Pool
 from bls_models.metrics import FLUSH_SECONDS, Metrics
 from tests.helpers import (
     SLACK,
+    counted,
     image_inputs,
     orchestrator,
     settled_metric,
@@ -28,6 +28,9 @@ from tests.helpers import (
 )
 from tests.unit.fake_pb_utils import FakePbUtils, Request
 from tests.unit.row_models import POISON, DirectedRowModels, code_of, expect_exact, image_of
+
+# Under the committed (CPU) configs and the GPU profile: tests/unit/conftest.py.
+pytestmark = pytest.mark.usefixtures("profile")
 
 
 def rows_models() -> FakePbUtils:
@@ -49,12 +52,12 @@ async def image_run(inputs, call, setup, reduce=None):
 
 # -- a bug of the orchestrator's own ------------------------------------------------------------
 @pytest.mark.parametrize("logger_fails", [False, True])
-def test_an_output_the_run_function_leaves_out_is_internal_for_that_request_alone(
+def test_a_bug_of_the_run_function_is_internal_for_its_group_and_never_bisected(
         made, logger_fails):
     """The run function leaves a declared output out for one kind of input (a data-dependent
-    bug): that request is answered INTERNAL with no exception text, the log has the details,
-    and the request it was grouped with gets its own rows. Even with the logger failing, every
-    request is answered and the next batch runs."""
+    bug): its group is answered INTERNAL with no exception text, and never re-run in parts (a
+    bug is no row's fault: re-running would only multiply the sub-requests); the log has the
+    details. Even with the logger failing, every request is answered and the next batch runs."""
     pb = rows_models()
     made.append(orch := orchestrator(pb))
     pipeline = orch.run
@@ -70,14 +73,16 @@ def test_an_output_the_run_function_leaves_out_is_internal_for_that_request_alon
         pb.faults.plan("Logger", "always")
     bad, good = Request(image_of(7), request_id="bad"), Request(image_of(8), request_id="good")
     pb.execute(orch, [bad, good])
-    error = bad.answer.error()
-    assert error.code() == pb.TritonError.INTERNAL
-    assert "ValueError" not in error.message() and "EMBEDDING" not in error.message()
-    assert not good.answer.has_error()
+    for request in (bad, good):
+        error = request.answer.error()
+        assert error.code() == pb.TritonError.INTERNAL
+        assert "ValueError" not in error.message() and "EMBEDDING" not in error.message()
+    assert [model for model, _ in pb.calls].count("preprocess") == 1, "the bug was bisected"
+    assert counted(pb, orch, "bls_isolated_requests_total") == 0
     after = Request(image_of(9), request_id="after")
     pb.execute(orch, [after])
     assert not after.answer.has_error()
-    assert settled_metric(pb, "bls_requests_total", code="INTERNAL") == 1
+    assert settled_metric(pb, "bls_requests_total", code="INTERNAL") == 2
     if not logger_fails:
         assert any("no output 'EMBEDDING'" in line for line in pb.log)
 
@@ -133,7 +138,9 @@ def test_a_bug_in_execute_itself_answers_every_request_internal(made, monkeypatc
     pb = rows_models()
     made.append(orch := orchestrator(pb))
     if where == "forming the groups":
-        monkeypatch.setattr(triton_runtime, "form", lambda *args: 1 / 0)
+        from bls_models.group import Group
+
+        monkeypatch.setattr(Group, "form", staticmethod(lambda *args: 1 / 0))
     else:
         receive, seen = orch._receive, []
 
@@ -363,3 +370,107 @@ def test_no_container_of_the_runtime_grows_with_traffic(made):
     assert orch.out == set()
     codes = {code_of(r.answer) for r in sent}
     assert codes == {"SUCCESS", "INVALID_ARG", "UNAVAILABLE"}, codes
+
+
+# -- answers and counts that tell the truth -------------------------------------------------------
+def overflowing_digits(inputs, request):
+    """A digits model that overflows as a real one does on a finite but huge pixel: exp(-3e38)
+    is 0, and 0 / 0 is NaN."""
+    z = inputs["DIGIT_PIXELS"][:, :10].astype(np.float32) / 16
+    with np.errstate(all="ignore"):
+        e = np.exp(z)
+        return {"DIGIT_PROBS": (e / e.sum(axis=1, keepdims=True)).astype(np.float32)}
+
+
+def test_an_output_driven_to_nan_fails_its_own_request_alone(made):
+    """``DIGIT_PIXELS`` of -3e38 is finite, so the input check lets it in; both digits models
+    answer NaN for it. That request is INVALID_ARG naming the output and its inputs; its
+    group-mates get their answers."""
+    pb = FakePbUtils({"digits_small": overflowing_digits, "digits_large": overflowing_digits})
+    made.append(orch := orchestrator(pb, "digits_cascade"))
+    good = np.full((1, 64), 4.0, np.float32)
+    huge = np.full((1, 64), -3e38, np.float32)
+    requests = [Request({"DIGIT_PIXELS": x}, request_id=f"d{i}")
+                for i, x in enumerate((good, huge, good))]
+    pb.execute(orch, requests)
+    assert [code_of(r.answer) for r in requests] == ["SUCCESS", "INVALID_ARG", "SUCCESS"]
+    message = requests[1].answer.error().message()
+    assert "DIGIT_PROB" in message and "DIGIT_PIXELS" in message and "nan" in message
+    for request in (requests[0], requests[2]):
+        assert all(np.isfinite(t.as_numpy()).all() for t in request.answer.output_tensors
+                   if t.as_numpy().dtype.kind == "f")
+
+
+def test_an_output_the_contract_lets_be_non_finite_is_answered_as_it_is(made):
+    from dataclasses import replace
+
+    from bls_models.definition import registered
+
+    pb = FakePbUtils({"digits_small": overflowing_digits, "digits_large": overflowing_digits})
+    definition = replace(registered("digits_cascade"), non_finite=("DIGIT_PROB",))
+    made.append(orch := orchestrator(pb, "digits_cascade", pipeline=definition))
+    pixels = np.full((1, 64), -3e38, np.float32)
+    request = Request({"DIGIT_PIXELS": pixels}, request_id="nan-allowed")
+    pb.execute(orch, [request])
+    probs = {t.name(): t.as_numpy() for t in request.answer.output_tensors}["DIGIT_PROB"]
+    assert np.isnan(probs).all()
+    with pytest.raises(ValueError, match="non_finite"):
+        replace(definition, non_finite=("NO_SUCH",))
+
+
+def test_a_cancellation_is_counted_as_one_not_as_a_deadline(made):
+    """The client leaves while its classifier is out: CANCELLED, and the abandoned sub-request
+    is counted under kind "cancelled", not "deadline"."""
+    import threading
+
+    pb = rows_models()
+    made.append(orch := orchestrator(pb))
+    request = Request(image_of(3), request_id="gone;classifier=400")
+    threading.Timer(0.15, request.sender.cancelled.set).start()
+    pb.execute(orch, [request])
+    assert code_of(request.answer) == "CANCELLED"
+    time.sleep(0.5)  # the classifier comes back, unwanted
+    assert counted(pb, orch, "bls_subrequest_errors_total", kind="cancelled") >= 1
+    assert counted(pb, orch, "bls_subrequest_errors_total", kind="deadline") == 0
+    assert counted(pb, orch, "bls_deadline_exceeded_total") == 0
+    assert counted(pb, orch, "bls_abandoned_subrequests_total") == counted(
+        pb, orch, "bls_abandoned_subrequests_completed_total") >= 1
+
+
+def test_a_sub_models_queue_timeout_is_counted_as_a_deadline_exceeded(made):
+    """A sub-model's queue policy expires the sub-request ("Request timeout expired", core
+    r24.10 ``dynamic_batch_scheduler.cc`` 71): each request of the group hears a deadline and is
+    counted in ``bls_deadline_exceeded_total``, as one its own deadline ended is."""
+    pb = FakePbUtils(DirectedRowModels(sick={"classifier": "Request timeout expired"}).models())
+    made.append(orch := orchestrator(pb))
+    requests = [Request(image_of(v), request_id=f"q{v}") for v in (3, 4)]
+    pb.execute(orch, requests)
+    assert [code_of(r.answer) for r in requests] == ["UNAVAILABLE"] * 2
+    assert "deadline exceeded in stage 'classifier'" in requests[0].answer.error().message()
+    assert counted(pb, orch, "bls_deadline_exceeded_total", stage="classifier") == 2
+
+
+def test_an_isolation_attempt_past_its_stage_timeout_is_counted_abandoned(made):
+    """A poisoned row; the attempt for the first half waits on a slow embedder past
+    ``embedder_timeout_ms``: its members hear the deadline while the others are still being
+    isolated. That sub-request is counted abandoned once, and completed when it comes back:
+    completions never exceed abandonments."""
+    models = DirectedRowModels(poisoned_stages=("embedder",)).models()
+    embedder = models["embedder"]
+
+    def slow_for_the_first_half(inputs, request):
+        if request.request_id == "r20,r21":
+            time.sleep(0.5)
+        return embedder(inputs, request)
+
+    models["embedder"] = slow_for_the_first_half
+    pb = FakePbUtils(models)
+    made.append(orch := orchestrator(pb, embedder_timeout_ms="200"))
+    requests = [Request(image_of(v), request_id=f"r{v}") for v in (20, 21, POISON, 23)]
+    pb.execute(orch, requests)
+    assert [code_of(r.answer) for r in requests] == ["UNAVAILABLE", "UNAVAILABLE",
+                                                     "INVALID_ARG", "SUCCESS"]
+    time.sleep(0.6)
+    abandoned = counted(pb, orch, "bls_abandoned_subrequests_total", stage="embedder")
+    completed = counted(pb, orch, "bls_abandoned_subrequests_completed_total", stage="embedder")
+    assert abandoned == completed == 1

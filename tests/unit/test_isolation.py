@@ -11,6 +11,7 @@ import pytest
 
 from bls_models import spec as S
 from bls_models.errors import InvalidInput
+from tests import helpers
 from tests.helpers import orchestrator, settled_metric
 from tests.unit.fake_pb_utils import FakePbUtils, Request, SubModelError
 from tests.unit.row_models import (
@@ -22,6 +23,9 @@ from tests.unit.row_models import (
     expect_exact,
     image_of,
 )
+
+# Under the committed (CPU) configs and the GPU profile: tests/unit/conftest.py.
+pytestmark = pytest.mark.usefixtures("profile")
 
 FULL = S.EMBEDDER.max_batch_size  # a padded attempt's rows
 
@@ -57,9 +61,16 @@ def test_an_attempt_sends_only_the_stage_that_failed_in_a_full_batch_of_its_own(
     requests = [Request(image_of(v), request_id=f"r{v}") for v in (20, 21, POISON, 23)]
     pb.execute(orch, requests)
     embedder = [s for s in pb.sent if s.model == "embedder"]
+    assert [s.rows for s in embedder] == [4] + [FULL] * 5
+    if helpers.profile == "gpu":
+        # The group's PIXELS stayed on the GPU, where no attempt can take rows of them: each
+        # attempt runs every stage, in host memory, padded to a full batch (docs/orchestrator.md,
+        # the ledger's isolation row).
+        assert [s.rows for s in pb.sent[3:]] == [FULL] * 15
+        assert [m for _, m in pb.output_memory[3:]] == [(pb.TRITONSERVER_MEMORY_CPU, 0)] * 15
+        return
     assert [s.model for s in pb.sent].count("preprocess") == 1
     assert [s.model for s in pb.sent].count("classifier") == 1
-    assert [s.rows for s in embedder] == [4] + [FULL] * 5
     assert settled_metric(pb, "bls_isolation_reused_subrequests_total") == 2 * 5
 
 
@@ -189,16 +200,22 @@ def raising_for(orch, value: int, error: Exception) -> None:
     (ZeroDivisionError("a bug"), "INTERNAL"),
     (InvalidInput("image 9 is not allowed"), "INVALID_ARG"),
 ], ids=["a-bug", "invalid-input"])
-def test_what_the_run_function_raises_for_one_row_fails_only_that_request(made, error, code):
+def test_invalid_input_from_the_run_function_is_isolated_and_a_bug_is_not(made, error, code):
+    """``InvalidInput`` raised for one row fails only its request (isolated); anything else the
+    pipeline's own code raises is a bug, no row's fault: its group is INTERNAL, never re-run."""
     pb = FakePbUtils(DirectedRowModels().models())
     made.append(orch := orchestrator(pb))
     raising_for(orch, 9, error)
     requests = [Request(image_of(v)) for v in (20, 9, 22)]
     pb.execute(orch, requests)
-    assert codes(requests) == ["SUCCESS", code, "SUCCESS"]
     if code == "INTERNAL":  # a bug's details stay in the log
+        assert codes(requests) == ["INTERNAL"] * 3
         assert "ZeroDivisionError" not in requests[1].answer.error().message()
         assert any("ZeroDivisionError" in line for line in pb.log)
+        assert settled_metric(pb, "bls_isolated_requests_total") == 0
+        assert pb.calls == [], "a bug was re-run"
+    else:
+        assert codes(requests) == ["SUCCESS", code, "SUCCESS"]
 
 
 def test_a_deadline_during_isolation_is_unavailable_never_another_rows_error(made):

@@ -16,9 +16,14 @@ from __future__ import annotations
 import collections
 import gc
 
+import pytest
+
 from tests.helpers import orchestrator
 from tests.unit.fake_pb_utils import FakePbUtils, Request
 from tests.unit.row_models import POISON, STAGE_ERROR, DirectedRowModels, image_of
+
+# Under the committed (CPU) configs and the GPU profile: tests/unit/conftest.py.
+pytestmark = pytest.mark.usefixtures("profile")
 
 
 def garbage_of_bls_models(work) -> collections.Counter:

@@ -243,29 +243,72 @@ def test_out_of_range_tokens_fail_tag_pipelines_check(bad):
     check({"TOKENS": np.full((1, S.TAGGER_SEQ_LEN), S.TAGGER_VOCAB - 1, np.int64)})
 
 
-@pytest.mark.parametrize("message, kind, code", [
+# The real messages of r24.10's core, python, onnxruntime and tensorrt backends (sources in
+# bls_models/errors.py and docs/orchestrator.md, "Errors"): a case per rule, and the device
+# faults whose words ("invalid argument", "out of bounds") once read as the client's.
+PREFIX = "Model classifier - Error when running inference: "  # request_executor.cc 447-455
+CLASSIFIED = [
     ("Request timeout expired", Kind.DEADLINE, Code.UNAVAILABLE),
-    ("Exceeds maximum queue size", Kind.QUEUE_FULL, Code.UNAVAILABLE),
-    ("Failed for execute the inference request. Model 'x' is not ready.", Kind.NOT_READY,
+    (PREFIX + "[request id: r1] Exceeds maximum queue size", Kind.QUEUE_FULL, Code.UNAVAILABLE),
+    (PREFIX + "Server is stopping, scheduler for model has stopped accepting new inference "
+     "requests", Kind.NOT_READY, Code.UNAVAILABLE),
+    ("Request for unknown model: 'classifier' has no available versions", Kind.NOT_READY,
      Code.UNAVAILABLE),
-    ("Failed to increase the shared memory pool size for key 'k'", Kind.SHM, Code.UNAVAILABLE),
-    # As Triton's onnxruntime backend and Triton core word them (tests/live/test_backend_errors.py
-    # checks these kinds against the real messages).
-    ("onnx runtime error 2: Non-zero status code returned while running Gather node. Name:'' "
-     "Status Message: indices element out of data bounds, idx=7 must be within the inclusive "
-     "range [-2,1]", Kind.INVALID, Code.INVALID_ARG),
-    ("onnx runtime error 6: Non-zero status code returned while running Conv node.",
+    (PREFIX + "Failed for execute the inference request. Model 'x' is not ready.",
+     Kind.NOT_READY, Code.UNAVAILABLE),
+    ("Failed to increase the shared memory pool size for key 'k' to 2097152 bytes. If you are "
+     "running Triton inside docker, use '--shm-size' flag", Kind.SHM, Code.UNAVAILABLE),
+    ("onnx runtime error 6: Non-zero status code returned while running Conv node. Name:'c' "
+     "Status Message: Failed to allocate memory for requested buffer of size 12845056",
+     Kind.MEMORY, Code.UNAVAILABLE),
+    ("onnx runtime error 1: CUDA failure 2: out of memory ; GPU=0", Kind.MEMORY,
+     Code.UNAVAILABLE),
+    # ONNX Runtime's CUDA faults, under codes 1 and 6 (onnxruntime#23149, server#7296), and one
+    # as a code 2 would read: a device's fault whatever the code.
+    ("onnx runtime error 1: Non-zero status code returned while running Transpose node. "
+     "Name:'t' Status Message: CUDA error cudaErrorInvalidValue:invalid argument", Kind.FAILED,
+     Code.INTERNAL),
+    ("onnx runtime error 6: /onnxruntime/core/providers/cuda/cuda_call.cc:121 CUBLAS failure "
+     "1: invalid argument ; GPU=0 ; expr=cublasSetStream", Kind.FAILED, Code.INTERNAL),
+    ("onnx runtime error 2: CUDA error cudaErrorInvalidValue:invalid argument", Kind.FAILED,
+     Code.INTERNAL),
+    ("onnx runtime error 1: CUDA failure 700: an illegal memory access was encountered",
      Kind.FAILED, Code.INTERNAL),
-    ("Model classifier - Error when running inference: [request id: <id_unknown>] unexpected "
-     "shape for input 'PIXELS' for model 'classifier'. Expected [-1,3,224,224], got "
-     "[1,3,100,100].", Kind.INVALID, Code.INVALID_ARG),
+    ("unable to enqueue for inference classifier_trt_0_0", Kind.FAILED, Code.INTERNAL),
+    ("unable to execute graph for inference classifier_trt_0_0: invalid argument", Kind.FAILED,
+     Code.INTERNAL),
+    ("input 'PIXELS': failed to perform CUDA copy: invalid argument", Kind.FAILED,
+     Code.INTERNAL),
+    (PREFIX + "[request id: <id_unknown>] unexpected shape for input 'PIXELS' for model "
+     "'classifier'. Expected [-1,3,224,224], got [1,3,100,100].", Kind.INVALID, Code.INVALID_ARG),
     ("[request id: <id_unknown>] inference input 'PIXELS' data-type is 'FP64', but model "
      "'classifier' expects 'FP32'", Kind.INVALID, Code.INVALID_ARG),
     ("expected 1 inputs but got 0 inputs for model 'classifier'. Got input(s) [], but missing "
      "required input(s) ['PIXELS'].", Kind.INVALID, Code.INVALID_ARG),
+    ("[request id: r] inference request batch-size must be <= 16 for 'classifier'", Kind.INVALID,
+     Code.INVALID_ARG),
+    ("input byte size mismatch for input 'PIXELS' for model 'classifier'. Expected 602112, got "
+     "8", Kind.INVALID, Code.INVALID_ARG),
+    ("unexpected inference input 'PIXEL' for model 'classifier'", Kind.INVALID,
+     Code.INVALID_ARG),
+    ("onnx runtime error 2: Non-zero status code returned while running Gather node. Name:'' "
+     "Status Message: indices element out of data bounds, idx=7 must be within the inclusive "
+     "range [-2,1]", Kind.INVALID, Code.INVALID_ARG),
+    ("onnx runtime error 2: Got invalid dimensions for input: PIXELS for the following indices",
+     Kind.INVALID, Code.INVALID_ARG),
+    ("onnx runtime error 6: Non-zero status code returned while running Conv node.",
+     Kind.FAILED, Code.INTERNAL),
+    ("onnx runtime error 11: TensorRT EP execution context enqueue failed.", Kind.FAILED,
+     Code.INTERNAL),
+    ("request specifies invalid shape for input 'PIXELS' for classifier_trt_0_0. Error details: "
+     "model expected the shape of dimension 0 to be between 1 and 16 but received 17",
+     Kind.INVALID, Code.INVALID_ARG),
     ("Stub process 'classifier_0_0' is not healthy.", Kind.FAILED, Code.INTERNAL),
-    ("division by zero", Kind.FAILED, Code.INTERNAL),
-])
+    ("division by zero: index out of bounds, invalid argument", Kind.FAILED, Code.INTERNAL),
+]
+
+
+@pytest.mark.parametrize("message, kind, code", CLASSIFIED)
 def test_sub_model_errors_are_classified_by_message(message, kind, code):
     assert classify_sub_error(message) is kind
     error = sub_request_failed("classifier", "classifier_v2", message + "\nTraceback: ...")

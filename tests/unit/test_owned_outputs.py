@@ -1,17 +1,23 @@
 """Sub-response outputs and request inputs: used as they are when the stub owns their memory (the
 python backend's own copies), copied when they borrow a buffer that dies with the response or
-the request (``backend.owns_memory``)."""
+the request (``Backend.owns_memory``)."""
 
 from __future__ import annotations
 
 import mmap
 
 import numpy as np
+import pytest
 
 from bls_models import spec as S
-from bls_models.backend import owns_memory
+from bls_models.backend import Backend
 from tests.helpers import image_inputs, orchestrator, sub_models
 from tests.unit.fake_pb_utils import FakePbUtils, Request
+
+owns_memory = Backend.owns_memory
+
+# Under the committed (CPU) configs and the GPU profile: tests/unit/conftest.py.
+pytestmark = pytest.mark.usefixtures("profile")
 
 
 def test_numpy_allocations_and_views_of_them_are_owned():
