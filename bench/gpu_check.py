@@ -69,6 +69,12 @@ def plan(profiles=PROFILES, tensorrt_backend: Path | None = None) -> list[Step]:
                           f"CPU ONNX Runtime: {t.arithmetic}, probabilities within {t.probs:g}, "
                           f"near-tie flips within {t.tie:g}, embedding cosine >= {t.embedding:g}"))
         if profile == "gpu":
+            steps.append(Step(profile, "runtime", "what the CPU tests model of a GPU, for real: "
+                              "a KIND_GPU sub-model's outputs arrive in GPU memory unless host "
+                              "memory is asked for (bls_probe); requests asking for different "
+                              "outputs in one batch through pipeline, against CPU ONNX Runtime, "
+                              "none INTERNAL; sub-model errors classified as the table says; "
+                              "digits_cascade refuses an input that drives it to NaN"))
             steps.append(Step(profile, "gpu-tensors", "pipeline's stubs hold GPU memory with "
                               f"gpu_tensors on, none with {GPU_TENSORS_OFF} (nvidia-smi); "
                               f"throughput on vs off, {LOAD_SECONDS} s each at concurrency "
@@ -148,6 +154,9 @@ class Check:
         cache = ROOT / ".triton" / "gpu-check-cache"
         repository = launcher.profile_repository(profile, self.source, tmp, cache)
         add_gpu_tensors_off(repository)
+        from modelgen import variants
+
+        variants.write(repository, variants.PROBE, variants.PROBE_MODEL)  # the runtime step's
         if profile == "gpu":  # the overhead experiment's anchor, with the profile's config
             from bench import anchors
 
@@ -169,6 +178,7 @@ class Check:
             self.verdict(profile, "start", [], f"ready in {seconds:.0f} s")
             self.correctness(profile, server)
             if profile == "gpu":
+                self.runtime(server)
                 self.gpu_tensors(server)
                 self.soak(server)
                 self.perf(server)
@@ -246,17 +256,115 @@ class Check:
     def expected_images(self, cpu, images) -> list:
         """(CPU softmax over every class, CPU embedding) per image: the same for every profile."""
         if not self._images:
-            for image in images:
-                (pixels,) = cpu.sessions["preprocess"].run(None, {"IMAGE": image[None]})
-                (logits,) = cpu.sessions["classifier"].run(None, {"PIXELS": pixels})
-                (embedding,) = cpu.sessions["embedder"].run(None, {"PIXELS": pixels})
-                self._images.append((softmax(logits[0]), embedding[0]))
+            self._images = [expected_image(cpu, image) for image in images]
         return self._images
 
     def expected_tags(self, cpu, tokens, row: int):
         if row not in self._tags:
             self._tags[row] = softmax(cpu.tagger(tokens[row:row + 1])[0])
         return self._tags[row]
+
+    def runtime(self, server) -> None:
+        """What the unit tests' fake models of a GPU (issue 46), checked on one: where a
+        sub-response's outputs live, the error classes of the messages this server gives,
+        mixed output requests in one batch, an output driven to NaN."""
+        import tritonclient.grpc as grpcclient
+
+        client = grpcclient.InferenceServerClient(server.grpc_url)
+        problems = (self._memory_and_errors(client) + self._mixed_outputs(client)
+                    + self._non_finite(client))
+        self.verdict("gpu", "runtime", problems, "PIXELS in GPU memory unless asked for host "
+                     "memory; 2 error classes; 12 mixed-output requests; NaN refused")
+
+    @staticmethod
+    def _memory_and_errors(client) -> list[str]:
+        import json
+
+        import numpy as np
+        import tritonclient.grpc as grpcclient
+
+        from bls_models.errors import Kind, classify_sub_error
+
+        def probe(model, inputs, outputs=(), memory=""):
+            spec = {"model": model, "inputs": inputs, "outputs": list(outputs), "memory": memory}
+            tensor = grpcclient.InferInput("SPEC", [1], "BYTES")
+            tensor.set_data_from_numpy(np.array([json.dumps(spec).encode()], dtype=np.object_))
+            result = client.infer("bls_probe", [tensor], client_timeout=120)
+            message, where = (result.as_numpy(n)[0] for n in ("MESSAGE", "MEMORY"))
+            return message.decode(), json.loads(where.decode())
+
+        problems = []
+        image = {"name": "IMAGE", "dtype": "uint8", "shape": [1, 224, 224, 3], "fill": 7}
+        for memory, expected in (("", "gpu"), ("cpu", "cpu")):
+            message, where = probe("preprocess", [image], ["PIXELS"], memory)
+            if message or where.get("PIXELS") != expected:
+                problems.append(f"preprocess's PIXELS with memory '{memory or 'unnamed'}': "
+                                f"{message or where}, expected {expected}")
+        pixels = {"name": "PIXELS", "dtype": "float32", "shape": [1, 3, 100, 100]}
+        for case, inputs in (("shape", [pixels]), ("dtype", [{**pixels, "dtype": "float64",
+                                                             "shape": [1, 3, 224, 224]}])):
+            message, _ = probe("classifier", inputs, ["LOGITS"])
+            if classify_sub_error(message) is not Kind.INVALID:
+                problems.append(f"a wrong {case} to the classifier: '{message[:120]}' is "
+                                f"{classify_sub_error(message).value}, not invalid")
+        return problems
+
+    def _mixed_outputs(self, client) -> list[str]:
+        """Requests asking for different outputs, sent together so that they share a batch."""
+        import threading
+
+        from modelgen import nets
+
+        tolerance, cpu = TOLERANCES["gpu"], self.cpu_reference()
+        images = nets.synthetic_images(12, seed=46).numpy()
+        asks = [("CLASS_IDS", "CLASS_PROBS", "EMBEDDING"), ("EMBEDDING",),
+                ("CLASS_IDS", "CLASS_PROBS")]
+        results: list = [None] * len(images)
+
+        def send(i):
+            try:
+                results[i] = infer(client, "pipeline", "IMAGE", images[i:i + 1], "UINT8",
+                                   asks[i % 3])
+            except Exception as error:  # noqa: BLE001 - reported below
+                results[i] = error
+
+        threads = [threading.Thread(target=send, args=(i,)) for i in range(len(images))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(120)
+        problems = []
+        for i, result in enumerate(results):
+            probs, embedding = expected_image(cpu, images[i])
+            if not hasattr(result, "as_numpy"):
+                problems.append(f"mixed outputs, request {i}: {result}")
+                continue
+            if "EMBEDDING" in asks[i % 3] and cosine(result.as_numpy("EMBEDDING")[0],
+                                                     embedding) < tolerance.embedding:
+                problems.append(f"mixed outputs, request {i}: embedding off")
+            if "CLASS_IDS" in asks[i % 3]:
+                problems += compare_top_k(probs, result.as_numpy("CLASS_IDS")[0],
+                                          result.as_numpy("CLASS_PROBS")[0], tolerance)[0]
+        return problems
+
+    @staticmethod
+    def _non_finite(client) -> list[str]:
+        import numpy as np
+
+        digits = np.full((1, 64), 4.0, np.float32)
+        huge = np.full((1, 64), -3e38, np.float32)  # finite; both digits models answer NaN
+        problems = []
+        for name, pixels, wanted in (("finite", digits, None), ("-3e38", huge, "INVALID")):
+            try:
+                infer(client, "digits_cascade", "DIGIT_PIXELS", pixels, "FP32",
+                      ("DIGIT", "DIGIT_PROB"))
+                got = None
+            except Exception as error:  # noqa: BLE001 - its status is the check
+                got = "INVALID" if "INVALID_ARGUMENT" in str(error) else str(error)[:120]
+            if got != wanted:
+                problems.append(f"digits_cascade with {name} pixels: {got or 'answered'}, "
+                                f"expected {wanted or 'an answer'}")
+        return problems
 
     def gpu_tensors(self, server) -> None:
         from bench import clients
@@ -340,6 +448,14 @@ class Check:
         self.line("- `gpu` overhead (`make bench-overhead`'s experiment on this server):")
         for text in measured.summary:
             self.line(text)
+
+
+def expected_image(cpu, image) -> tuple:
+    """(CPU softmax over every class, CPU embedding) of one image."""
+    (pixels,) = cpu.sessions["preprocess"].run(None, {"IMAGE": image[None]})
+    (logits,) = cpu.sessions["classifier"].run(None, {"PIXELS": pixels})
+    (embedding,) = cpu.sessions["embedder"].run(None, {"PIXELS": pixels})
+    return softmax(logits[0]), embedding[0]
 
 
 class _NoSettings:

@@ -78,8 +78,10 @@ PROBE_MODEL = Path(__file__).with_name("probe_model.py")
 PROBE = S.ModelSpec(
     name="bls_probe", backend="python", kind="KIND_CPU", instance_count=1, max_batch_size=0,
     batching=None, inputs=(S.TensorSpec("SPEC", "TYPE_STRING", (1,)),),
-    outputs=(S.TensorSpec("MESSAGE", "TYPE_STRING", (1,)),),
-    description="sends one BLS sub-request and answers its error message (modelgen/probe_model.py)")
+    outputs=(S.TensorSpec("MESSAGE", "TYPE_STRING", (1,)),
+             S.TensorSpec("MEMORY", "TYPE_STRING", (1,))),
+    description="sends one BLS sub-request and answers its error message and where its outputs "
+                "are (modelgen/probe_model.py)")
 
 
 def variant(base: S.ModelSpec, name: str, **parameters: str) -> S.ModelSpec:
@@ -130,9 +132,10 @@ def real_model_variants(real_repository: Path) -> tuple[S.ModelSpec, ...]:
             variant(S.PIPELINE, "pipeline_admission",
                     stage_model_repositories=str(real_repository)),
             batching=dataclasses.replace(S.PIPELINE.batching, max_queue_size=16)),
-        # The GPU profiles' setting on this CPU-only server: every output arrives in CPU memory,
-        # so this exercises the fallback (tests/live/test_pipelines.py).
-        variant(S.PIPELINE, "pipeline_gpu_tensors", gpu_tensors="on",
+        # The GPU profiles' path on this CPU-only server: PIXELS kept by DLPack although it is
+        # in host memory, out of preprocess's sub-response and into the next sub-requests
+        # (tests/live/test_pipelines.py).
+        variant(S.PIPELINE, "pipeline_gpu_tensors", gpu_tensors="always",
                 stage_model_repositories=str(real_repository)),
         # The real preprocess and classifier, and an embedder that can be made sick
         # (tests/live/test_failure_paths.py).

@@ -126,6 +126,40 @@ def test_bad_requests_fail_alone_before_any_sub_request(protocol, server, models
     assert settled(server, "nv_inference_count", model=S.DIGITS_SMALL.name) == wanted
 
 
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_a_finite_input_that_drives_the_models_to_nan_fails_alone(protocol, server, models,
+                                                                   held_out):
+    """A row of -3e38 pixels is finite, so the input check lets it through; both digits models
+    answer NaN for it (ONNX Runtime in-process says the same). Its request is INVALID_ARG
+    naming the output and the input, never a NaN answer; the requests sent with it get theirs."""
+    x_test = held_out[0]
+    huge = x_test[40:42].copy()
+    huge[0] = -3e38
+    assert np.isnan(digits.probabilities(models[S.DIGITS_LARGE.name], huge[:1])).any()
+    good = [x_test[4 * i:4 * i + 4] for i in range(4)]
+    url = server.http_url if protocol == "http" else server.grpc_url
+    module = httpclient if protocol == "http" else grpcclient
+
+    def send(pixels):
+        try:
+            return infer(module.InferenceServerClient(url), protocol, "digits_cascade", pixels,
+                         CASCADE_OUTPUTS)
+        except InferenceServerException as error:
+            return error
+
+    with ThreadPoolExecutor(len(good) + 1) as pool:
+        answers = list(pool.map(send, [huge, *good]))
+    refused = answers[0]
+    assert isinstance(refused, InferenceServerException), refused
+    assert refused.status() == STATUS[protocol]["INVALID_ARG"], refused
+    assert S.DIGIT_PROB.name in str(refused) and S.DIGIT_PIXELS.name in str(refused), refused
+    for pixels, answer in zip(good, answers[1:]):
+        assert isinstance(answer, dict), answer
+        digit, _, _ = digits.in_process_cascade(models, pixels, THRESHOLD)
+        np.testing.assert_array_equal(answer[S.DIGIT.name][:, 0], digit)
+        assert np.isfinite(answer[S.DIGIT_PROB.name]).all()
+
+
 def mixed_batch(models, held_out) -> tuple[np.ndarray, np.ndarray]:
     """BATCH held-out rows, a quarter of which digits_small is unsure of at the committed
     threshold, interleaved; and which those are."""

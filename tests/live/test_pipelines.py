@@ -46,8 +46,8 @@ def check_image_result(result, onnx, image, softmax_in_onnx: bool = False, sprea
 
 
 @pytest.mark.parametrize("protocol", ["http", "grpc"])
-# pipeline_gpu_tensors: PIXELS kept on the GPU between stages; on this CPU-only server it
-# arrives in CPU memory, so this checks the fallback (and, in the container on a GPU, DLPack).
+# pipeline_gpu_tensors: PIXELS kept by DLPack between stages (gpu_tensors "always": in host
+# memory on this CPU-only server, in GPU memory in the container on a GPU).
 @pytest.mark.parametrize("model", ["pipeline", "pipeline_ensemble", "pipeline_gpu_tensors"])
 def test_image_pipeline_matches_onnxruntime(model, protocol, client_for, onnx):
     image = images(3, seed=11)
@@ -57,6 +57,32 @@ def test_image_pipeline_matches_onnxruntime(model, protocol, client_for, onnx):
     assert result.as_numpy("CLASS_PROBS").dtype == np.float32
     assert result.as_numpy("EMBEDDING").shape == (3, S.EMBEDDING_DIM)
     check_image_result(result, onnx, image, softmax_in_onnx=model == "pipeline_ensemble")
+
+
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_a_kept_tensor_goes_by_dlpack_from_one_sub_request_to_the_next(server, protocol,
+                                                                       client_for, onnx):
+    """The GPU profiles' path, end to end through tritonserver 2.51 on this CPU server:
+    ``pipeline_gpu_tensors`` (``gpu_tensors: "always"``) keeps preprocess's PIXELS as it comes
+    (``to_dlpack`` out of the sub-response), and the classifier's and the embedder's
+    sub-requests take it by ``Tensor.from_dlpack``. A batch asking for every output goes that
+    way; one asking only for EMBEDDING selects rows, so its PIXELS come in host memory. Both
+    match ONNX Runtime in-process."""
+    log = getattr(server, "log_file", None)
+    if log is not None:  # the orchestrator says what it keeps when it loads
+        loaded = [line for line in log.read_text().splitlines()
+                  if "[pipeline_gpu_tensors] orchestrating" in line]
+        assert loaded and all("kept by DLPack: {'preprocess': frozenset({'PIXELS'})}" in line
+                              for line in loaded), loaded
+    image = images(4, seed=31 + (protocol == "grpc"))
+    result = infer(protocol, client_for(protocol), "pipeline_gpu_tensors", "IMAGE", image,
+                   "UINT8", list(IMAGE_OUTPUTS))
+    check_image_result(result, onnx, image)
+    some = infer(protocol, client_for(protocol), "pipeline_gpu_tensors", "IMAGE", image[:1],
+                 "UINT8", ["EMBEDDING"])
+    assert some.as_numpy("CLASS_IDS") is None
+    np.testing.assert_array_equal(some.as_numpy("EMBEDDING"),
+                                  expected_pipeline(onnx, image[:1])["EMBEDDING"])
 
 
 def test_bls_and_ensemble_give_the_same_answers(grpc_client):
@@ -112,3 +138,22 @@ def test_concurrent_pipeline_requests_each_get_their_own_answer(http_client, onn
     spreads = image_spreads(onnx, batches[2])
     for image, request in zip(batches, pending):
         check_image_result(request.get_result(), onnx, image, spreads=spreads)
+
+
+def test_gpu_checks_runtime_step_rehearsed_on_this_cpu_server(server, repository):
+    """`make gpu-check`'s runtime step (bench/gpu_check.py), run here: on this CPU server every
+    check holds but the one only a GPU passes, PIXELS in GPU memory when no memory is named."""
+    import tritonclient.grpc as grpcclient
+
+    from bench.gpu_check import Check
+
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    check = Check.__new__(Check)
+    check._cpu, check.source = None, repository
+    try:
+        assert Check._memory_and_errors(client) == [
+            "preprocess's PIXELS with memory 'unnamed': {'PIXELS': 'cpu'}, expected gpu"]
+        assert check._mixed_outputs(client) == []
+        assert Check._non_finite(client) == []
+    finally:
+        client.close()

@@ -53,7 +53,7 @@ def test_the_dry_run_lists_every_profile_and_every_check_in_order():
     assert profiles[0] == "-" and profiles[-1] == "-" and steps[-1] == "report"
     assert [p for p in dict.fromkeys(profiles) if p != "-"] == ["gpu", "gpu-ort-trt", "gpu-trt"]
     gpu_steps = [s for p, s in zip(profiles, steps) if p == "gpu"]
-    assert gpu_steps == ["render", "start", "correctness", "gpu-tensors", "soak", "perf"]
+    assert gpu_steps == ["render", "start", "correctness", "runtime", "gpu-tensors", "soak", "perf"]
     assert [s for p, s in zip(profiles, steps) if p == "gpu-ort-trt"] == ["render", "start", "correctness"]
     assert [s for p, s in zip(profiles, steps) if p == "gpu-trt"] == ["render", "engines", "serve"]
     assert "not run: the wheel ships no tensorrt backend" in result.stdout
