@@ -4,6 +4,7 @@ docs and deploy files. The only module test modules import helpers from."""
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import re
@@ -61,6 +62,7 @@ def rendered_repository(name: str) -> Path:
         from modelgen import profiles
 
         out = Path(tempfile.mkdtemp(prefix=f"bls-{name}-profile-"))
+        atexit.register(shutil.rmtree, out, True)
         for model, text in profiles.render(name).items():
             (out / model / "1").mkdir(parents=True)
             (out / model / "config.pbtxt").write_text(text)
