@@ -649,23 +649,43 @@ class FakePbUtils:
         return returned
 
     def _deliver(self, requests: list[Request], returned) -> None:
-        """What r24.10 does with the list ``execute`` returned: one final response per request
-        whose sender was never used (``None``: none)."""
+        """What r24.10 does with the list ``execute`` returned (``pb_stub.cc`` 808-860): one
+        final response per request whose sender was never used (``None``: none). The list is
+        checked whole before any response goes: one entry per request, each ``None`` or an
+        ``InferenceResponse``, and none for a request its sender already answered
+        (``UpdateStateAndCounters`` refuses it, 840-856). Any fault fails the whole batch: no
+        entry is delivered, and each request not answered yet gets the batch's error
+        (709-746)."""
+        problem = None
         if not isinstance(returned, list) or len(returned) != len(requests):
-            self.violation(f"execute returned {returned!r}, not one entry per request")
+            problem = f"execute returned {returned!r}, not one entry per request"
+        else:
+            for request, response in zip(requests, returned):
+                if response is not None and not isinstance(response, InferenceResponse):
+                    problem = f"execute returned {response!r} for a request"
+                elif response is not None and request.sender.closed:
+                    problem = ("execute returned a response for a request its sender answered: "
+                               "r24.10 fails the whole batch")
+                if problem:
+                    break
+        if problem is None:
+            for request, response in zip(requests, returned):
+                if response is not None:
+                    request.sender.closed = True
+                    request.returned = response
+                    request.sender.answered_at = time.monotonic()
+                    request.sender.done.set()
             return
-        for request, response in zip(requests, returned):
-            if response is None:
-                continue
-            if not isinstance(response, InferenceResponse):
-                self.violation(f"execute returned {response!r} for a request")
-            elif request.sender.closed:
-                self.violation("execute returned a response for an answered request")
-            else:
+        self.violation(problem)
+        for request in requests:
+            with _SENDER_LOCK:
+                if request.sender.closed:
+                    continue
                 request.sender.closed = True
-                request.returned = response
+                request.sender.sent.append(InferenceResponse(error=TritonError(
+                    f"Failed to process the request(s) for model, message: {problem}")))
                 request.sender.answered_at = time.monotonic()
-                request.sender.done.set()
+            request.sender.done.set()
 
     def finalize(self, model) -> None:
         """``finalize``: from its start ``exec`` raises; after it returns, no pb_utils call may

@@ -144,6 +144,31 @@ def test_6_the_harness_fails_a_lost_answer(made):
     pb.executed.clear()
 
 
+def test_the_harness_fails_a_batch_as_r24_10_does_for_an_entry_of_an_answered_request():
+    """r24.10 checks ``execute``'s list whole before sending anything: an entry for a request
+    its sender already answered fails the whole batch (``pb_stub.cc`` 840-856): the other
+    requests get the batch's error, not their entries. The fake does the same and reports it."""
+    pb = FakePbUtils({})
+
+    class AnswersTwice:
+        def execute(self, requests):
+            early, other = requests
+            early.get_response_sender().send(
+                pb.InferenceResponse(output_tensors=[]),
+                flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+            return [pb.InferenceResponse(output_tensors=[]),
+                    pb.InferenceResponse(output_tensors=[])]
+
+    early, other = Request(image_of(1)), Request(image_of(2))
+    pb.execute(AnswersTwice(), [early, other])
+    assert len(early.answers) == 1 and not early.answer.has_error()
+    assert other.answer.has_error() and other.returned is None
+    assert pb.violations == ["execute returned a response for a request its sender answered: "
+                             "r24.10 fails the whole batch"]
+    pb.violations.clear()
+    pb.executed.clear()
+
+
 def test_7_a_non_finite_input_is_invalid_arg_alone_before_any_sub_request(made):
     """Finding 7: ``digits_cascade`` answered a row with a NaN pixel as data (DIGIT 0,
     DIGIT_PROB NaN). A request with NaN or Inf in a float input is refused alone."""
