@@ -58,24 +58,17 @@ def _no_stage_failure(self, group, stage, message, rows):
     return failure
 
 
-def _drive_keeping_always(self, group, memo=None):
-    """``Orchestrator._drive`` keeping stage outputs where they are in every run: a group whose
-    requests asked for different outputs, and an isolation attempt, too."""
-    from dataclasses import replace
+def _keeping_always():
+    """``Orchestrator._call`` with every stage's outputs kept where they are, whatever its run:
+    a group whose requests asked for different outputs, and an isolation attempt, too."""
+    from bls_models.triton_runtime import Orchestrator
 
-    from bls_models.drive import Call, drive
+    original = Orchestrator._call
 
-    setup, group.keep = self.setup, self.keep
-    if any(len(member.outputs) != len(self.output_dtypes) for member in group.members):
-        setup = replace(setup, asked=tuple((member.rows, frozenset(member.outputs))
-                                           for member in group.members))
-    held: list = []
-    try:
-        return drive(self.run(group.inputs, Call, setup),
-                     lambda call: self._call(group, call, memo, held), self.pool)
-    finally:
-        if held:
-            self.backend.clear(held)
+    def call(self, group, *args):
+        group.keep = self.keep
+        return original(self, group, *args)
+    return call
 
 
 def _clear_without_freeing(self, *collections):
@@ -156,8 +149,8 @@ MUTATIONS = {
     "kept-whole": ("stage outputs kept on the GPU only where every row is taken whole",
                    ["tests/unit/test_profiles.py::test_each_request_gets_what_its_pipeline_computes_for_it_alone[gpu-pipeline-mixed-outputs]",
                     "tests/unit/test_isolation.py::test_an_attempt_sends_only_the_stage_that_failed_in_a_full_batch_of_its_own[gpu]"],
-                   lambda: _patch("bls_models.triton_runtime.Orchestrator._drive",
-                                  _drive_keeping_always)),
+                   lambda: _patch("bls_models.triton_runtime.Orchestrator._call",
+                                  _keeping_always())),
     "kept-freed": ("a kept tensor freed under the backend's lock",
                    ["tests/unit/test_gpu_tensors.py::test_the_gpu_profile_keeps_pixels_on_the_gpu_and_frees_them_under_the_lock"],
                    lambda: _patch("bls_models.backend.Backend.clear", _clear_without_freeing)),

@@ -40,9 +40,10 @@ ROOT = Path(__file__).resolve().parents[1]
 REPOSITORY = ROOT / "model_repository"
 
 
-def committed_config(model: str) -> dict:
-    """``model_repository/<model>/config.pbtxt`` as the JSON dict Triton hands ``initialize``."""
-    config = repository.load_config(REPOSITORY / model / "config.pbtxt")
+def committed_config(model: str, directory: Path = REPOSITORY) -> dict:
+    """``<directory>/<model>/config.pbtxt`` (the committed repository's by default) as the JSON
+    dict Triton hands ``initialize``."""
+    config = repository.load_config(directory / model / "config.pbtxt")
     return json_format.MessageToDict(config, preserving_proto_field_name=True)
 
 
@@ -86,15 +87,11 @@ def orchestrator(pb: FakePbUtils, model: str = "pipeline", pipeline=None,
     ("gpu": the fake's sub-models on KIND_GPU answer in GPU memory), with ``parameters`` set
     over its config's; every object call it makes must hold its backend's lock."""
     directory = REPOSITORY
-    config = committed_config(model)
-    if profile != "cpu" and (directory := rendered_repository(profile)).joinpath(model).is_dir():
-        config = json_format.MessageToDict(
-            repository.load_config(directory / model / "config.pbtxt"),
-            preserving_proto_field_name=True)
+    if profile != "cpu" and rendered_repository(profile).joinpath(model).is_dir():
+        directory = rendered_repository(profile)
         if not pb.gpu:
             pb.gpu = frozenset(gpu_models(directory))
-    else:
-        directory = REPOSITORY
+    config = committed_config(model, directory)
     config["parameters"].update({k: {"string_value": v} for k, v in parameters.items()})
     made = Orchestrator(pb, {"model_name": model, "model_config": json.dumps(config),
                              "model_repository": str(directory / model)}, pipeline or model)

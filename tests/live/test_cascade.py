@@ -90,15 +90,9 @@ def test_the_committed_threshold_is_the_one_the_validation_split_chooses(models)
     assert digits.choose_threshold(models) == THRESHOLD
 
 
-@pytest.mark.parametrize("protocol", ["http", "grpc"])
-def test_bad_requests_fail_alone_before_any_sub_request(protocol, server, models, held_out):
-    """NaN, Inf and a wrong shape, sent at once with good requests: each bad one INVALID_ARG,
-    every good one the in-process cascade, and digits_small ran exactly the good rows."""
-    x_test = held_out[0]
-    good = [x_test[4 * i:4 * i + 4] for i in range(6)]
-    nan, inf = x_test[24:28].copy(), x_test[28:32].copy()
-    nan[1, 10], inf[2, 0] = np.nan, -np.inf
-    bad = {"nan": nan, "inf": inf, "shape": np.zeros((2, 63), np.float32)}
+def send_together(server, protocol: str, batches: list[np.ndarray]) -> list:
+    """Each of ``batches`` to digits_cascade at once, one client each: its outputs, or the
+    error it got."""
     url = server.http_url if protocol == "http" else server.grpc_url
     module = httpclient if protocol == "http" else grpcclient
 
@@ -109,9 +103,21 @@ def test_bad_requests_fail_alone_before_any_sub_request(protocol, server, models
         except InferenceServerException as error:
             return error
 
+    with ThreadPoolExecutor(len(batches)) as pool:
+        return list(pool.map(send, batches))
+
+
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_bad_requests_fail_alone_before_any_sub_request(protocol, server, models, held_out):
+    """NaN, Inf and a wrong shape, sent at once with good requests: each bad one INVALID_ARG,
+    every good one the in-process cascade, and digits_small ran exactly the good rows."""
+    x_test = held_out[0]
+    good = [x_test[4 * i:4 * i + 4] for i in range(6)]
+    nan, inf = x_test[24:28].copy(), x_test[28:32].copy()
+    nan[1, 10], inf[2, 0] = np.nan, -np.inf
+    bad = {"nan": nan, "inf": inf, "shape": np.zeros((2, 63), np.float32)}
     before = settled(server, "nv_inference_count", model=S.DIGITS_SMALL.name)
-    with ThreadPoolExecutor(len(good) + len(bad)) as pool:
-        answers = list(pool.map(send, [*bad.values(), *good]))
+    answers = send_together(server, protocol, [*bad.values(), *good])
     for case, answer in zip(bad, answers):
         assert isinstance(answer, InferenceServerException), case
         assert answer.status() == STATUS[protocol]["INVALID_ARG"], (case, answer)
@@ -137,18 +143,7 @@ def test_a_finite_input_that_drives_the_models_to_nan_fails_alone(protocol, serv
     huge[0] = -3e38
     assert np.isnan(digits.probabilities(models[S.DIGITS_LARGE.name], huge[:1])).any()
     good = [x_test[4 * i:4 * i + 4] for i in range(4)]
-    url = server.http_url if protocol == "http" else server.grpc_url
-    module = httpclient if protocol == "http" else grpcclient
-
-    def send(pixels):
-        try:
-            return infer(module.InferenceServerClient(url), protocol, "digits_cascade", pixels,
-                         CASCADE_OUTPUTS)
-        except InferenceServerException as error:
-            return error
-
-    with ThreadPoolExecutor(len(good) + 1) as pool:
-        answers = list(pool.map(send, [huge, *good]))
+    answers = send_together(server, protocol, [huge, *good])
     refused = answers[0]
     assert isinstance(refused, InferenceServerException), refused
     assert refused.status() == STATUS[protocol]["INVALID_ARG"], refused

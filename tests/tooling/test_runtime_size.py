@@ -58,9 +58,7 @@ def traced(profile: str) -> set[tuple[str, str]]:
     if profile != "cpu":
         directory = helpers.rendered_repository(profile)
         pb.gpu = frozenset(helpers.gpu_models(directory))
-    config = json.loads(json.dumps(helpers.json_format.MessageToDict(
-        helpers.repository.load_config(directory / "pipeline" / "config.pbtxt"),
-        preserving_proto_field_name=True)))
+    config = helpers.committed_config("pipeline", directory)
     sys.modules["triton_python_backend_utils"] = pb
     try:
         model = python_model("pipeline")()

@@ -169,6 +169,17 @@ def test_a_failing_pb_utils_call_leaves_every_request_answered_once_on_time(call
     assert pb.check() == []
 
 
+@pytest.mark.parametrize("how", ["once", "always"])
+def test_a_failing_dlpack_hand_over_leaves_every_request_answered_once_on_time(how,
+                                                                               monkeypatch):
+    """The GPU profile's one call more: PIXELS goes to the next stages by
+    ``Tensor.from_dlpack``. It failing, once and always, is held to the same checks."""
+    from tests import helpers
+
+    monkeypatch.setattr(helpers, "profile", "gpu")
+    test_a_failing_pb_utils_call_leaves_every_request_answered_once_on_time("from_dlpack", how)
+
+
 def check_burst(pb, orch, call: str, how: str) -> None:
     orch.run = with_a_bug(orch.run)
     pb.forbidden_locks.append(orch.backend.lock)
