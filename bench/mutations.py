@@ -38,12 +38,28 @@ def _unbounded_offer(self, function, *args):
     return True
 
 
-def plain_wait(self, jobs, groups, check_at):
+def plain_wait(self, jobs, groups, arrived):
     """What the plainest BLS does in ``Orchestrator._wait``'s place: wait until every request
-    has its outcome, nothing more (also the ledger's stand-in)."""
+    has its outcome, nothing more (also the ledger's stand-in). Nothing owed."""
     while any(job.outcome is None for job in jobs):
         self.woken.wait(1.0)
         self.woken.clear()
+    return set()
+
+
+def _due_only():
+    """``Orchestrator._tick`` as before issue 47: a decided answer leaves early only if it is
+    an error (a deadline, a cancellation) or past its deadline; the rest waits for the list."""
+    from bls_models.errors import PipelineError
+    from bls_models.triton_runtime import Orchestrator
+
+    original = Orchestrator._tick
+
+    def tick(self, jobs, groups, now, kept):
+        decided, pending, wake = original(self, jobs, groups, now, kept)
+        return ([job for job in decided if isinstance(job.outcome, PipelineError)
+                 or job.end <= now], pending, wake)
+    return tick
 
 
 def _settle_all(self, group, error):
@@ -102,6 +118,13 @@ MUTATIONS = {
               [f"{R}::test_a_deadline_both_branches_miss_is_answered_on_time_and_counted_once",
                f"{F}::test_1_a_started_requests_deadline_is_kept_while_another_waits"],
               lambda: _patch("bls_models.triton_runtime.Orchestrator._wait", plain_wait)),
+    "owed": ("a slow batch's requests owed past execute, within the bound",
+             ["tests/unit/test_owed.py::test_a_slow_request_frees_its_instance_and_is_answered_later_on_time"],
+             lambda: _patch("bls_models.triton_runtime.Orchestrator._senders",
+                            lambda self, jobs: False)),
+    "ready": ("an answer decided while batch-mates run leaves at once",
+              ["tests/unit/test_owed.py::test_an_answer_leaves_when_its_group_is_done_whatever_its_batch_mates_do"],
+              lambda: _patch("bls_models.triton_runtime.Orchestrator._tick", _due_only())),
     "stage-timeout": ("a stage's timeout kept, in re-runs too",
                       [f"{F}::test_2_a_stage_timeout_holds_in_a_re_run"],
                       lambda: _patch("bls_models.triton_runtime.Orchestrator._expire",

@@ -96,16 +96,19 @@ class Backend:
             return pb.InferenceResponse(
                 output_tensors=[pb.Tensor(name, array) for name, array in arrays])
 
-    def send(self, request, arrays=None, message: str = "", code: str = "") -> None:
-        """A response (as ``response`` builds it) through ``request``'s sender, final. Raises
-        ``NotSent`` if it failed before the sender was used; a ``send`` that raises has closed
-        the sender (r24.10): no retry."""
-        response = sender = None
+    def sender(self, request):
+        with self.lock:
+            return request.get_response_sender()
+
+    def send(self, request, arrays=None, message: str = "", code: str = "", sender=None) -> None:
+        """A response (as ``response`` builds it) through ``request``'s sender (or ``sender``),
+        final. Raises ``NotSent`` if it failed before the sender was used; a ``send`` that
+        raises has closed the sender (r24.10): no retry."""
+        response = None
         try:
             try:
                 response = self.response(arrays, message, code)
-                with self.lock:
-                    sender = request.get_response_sender()
+                sender = sender or self.sender(request)
             except Exception as error:  # noqa: BLE001 - reported as what it means to the caller
                 raise NotSent(repr(error)) from None
             sender.send(response, flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)

@@ -32,16 +32,17 @@ class TensorSpec:
 class BatchingSpec:
     """Dynamic batching and queue policy of one model.
 
-    ``queue_timeout_us`` is the queue policy's ``default_timeout_microseconds``: the upper bound a
-    request may wait in this model's queue. A per-request timeout (the BLS ``timeout``) can only
-    lower it (``allow_timeout_override``), never raise it, so it must be set (0 would disable
-    overrides). ``max_queue_size`` bounds the queue: beyond it requests are rejected at once.
+    No queue policy by default: with one, Triton 2.51's batcher stops prefetching and can sleep
+    500 ms while instances are idle (docs/configuration.md, "No queue policy"). Where a test sets
+    one, ``queue_timeout_us`` is its ``default_timeout_microseconds`` (a per-request timeout, the
+    BLS ``timeout``, can only lower it: ``allow_timeout_override``) and ``max_queue_size`` bounds
+    the queue: beyond it requests are rejected at once.
     """
 
     preferred_batch_sizes: tuple[int, ...]
     max_queue_delay_us: int
-    queue_timeout_us: int = 10_000_000
-    max_queue_size: int = 256
+    queue_timeout_us: int = 0
+    max_queue_size: int = 0
 
 
 @dataclass(frozen=True)
@@ -89,11 +90,12 @@ def _by_name(tensors: tuple[TensorSpec, ...], name: str, model: str) -> TensorSp
     raise KeyError(f"model '{model}' has no tensor '{name}'")
 
 
-# An orchestrator instance runs one batch at a time (every answer is given before execute
-# returns), so requests wait here while its instances are busy: the queue policy applies the
-# client's timeout to that wait and bounds the queue (docs/orchestrator.md, "Overload").
-BLS_BATCHING = BatchingSpec(preferred_batch_sizes=(), max_queue_delay_us=0,
-                            queue_timeout_us=30_000_000, max_queue_size=4096)
+# No queue policy (see BatchingSpec); a slow batch frees its instance (max_owed_answers), so
+# requests wait here only while every instance is busy (docs/orchestrator.md, "Overload").
+BLS_BATCHING = BatchingSpec(preferred_batch_sizes=(), max_queue_delay_us=0)
+# The queue policy the BLS models had until issue 47, for tests of Triton's queue errors.
+QUEUED_BLS_BATCHING = BatchingSpec(preferred_batch_sizes=(), max_queue_delay_us=0,
+                                   queue_timeout_us=30_000_000, max_queue_size=4096)
 
 
 @dataclass(frozen=True)

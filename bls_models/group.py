@@ -14,11 +14,11 @@ class Job:
     orchestrator's lock: the outputs of its own rows, or a ``PipelineError``."""
 
     __slots__ = ("request", "request_id", "arrived", "end", "limit", "budget_ms", "inputs",
-                 "rows", "outputs", "outcome", "answered")
+                 "rows", "outputs", "outcome", "answered", "sender")
 
     def __init__(self, request, request_id: str, now: float, timeout_us: int,
                  default_ms: int, max_ms: int) -> None:
-        self.request = request  # only while execute runs
+        self.request = request  # until answered (owed ones past execute)
         self.request_id, self.arrived = request_id, now
         if timeout_us <= 0:
             self.limit, self.budget_ms = "default deadline", default_ms
@@ -29,6 +29,7 @@ class Job:
         self.end = now + self.budget_ms / 1e3  # deadlines count from arrival in execute
         self.inputs, self.rows, self.outputs, self.outcome = {}, 0, [], None
         self.answered = False  # its response was sent (execute's thread only)
+        self.sender = None  # its response sender, got before it is owed past execute
 
 
 class Group:

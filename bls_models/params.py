@@ -84,6 +84,13 @@ SUBREQUEST_THREADS = Param(
     "at once, abandoned ones (past their deadline, still running) included; a group that finds "
     "none free is answered UNAVAILABLE. Must stay below the python backend's `thread-pool-size` "
     "(96 as launched)", minimum=1)
+MAX_OWED_ANSWERS = Param(
+    "max_owed_answers", "4",
+    "requests per instance that may be answered after `execute` returned: a batch running "
+    "longer than 100 ms frees its instance if those still running fit, so a slow request holds "
+    "up no one; a stub killed meanwhile never answers them (their clients wait for their own "
+    "deadline). 0: every answer before `execute` returns "
+    "([orchestrator.md](orchestrator.md#owed-answers))", minimum=0)
 STAGE_MODEL_REPOSITORIES = Param(
     "stage_model_repositories", "",
     "more repositories (comma-separated paths) in which the load-time check looks for stage "
@@ -97,7 +104,7 @@ GPU_TENSORS = Param(
     "memory too, so a CPU server runs the GPU path", choices=("off", "on", "always"),
     listed=False)
 
-COMMON: tuple[Param, ...] = (DEFAULT_DEADLINE, MAX_DEADLINE, SUBREQUEST_THREADS,
+COMMON: tuple[Param, ...] = (DEFAULT_DEADLINE, MAX_DEADLINE, SUBREQUEST_THREADS, MAX_OWED_ANSWERS,
                              STAGE_MODEL_REPOSITORIES, GPU_TENSORS)
 
 
@@ -122,6 +129,7 @@ class OrchestratorConfig:
     default_deadline_ms: int
     max_deadline_ms: int         # a client's timeout is cut to it; the supervisor waits it out
     subrequest_threads: int      # per instance: threads running groups and their sub-requests
+    max_owed_answers: int        # per instance: requests answered after their execute returned
     # More model repositories in which to find the stage models' configs at load time, for
     # servers started with several --model-repository flags.
     stage_model_repositories: tuple[str, ...]
@@ -168,6 +176,7 @@ def parse(values: dict[str, str], accepted: tuple[Param, ...], stages: list[str]
         default_deadline_ms=parsed["default_deadline_ms"],
         max_deadline_ms=parsed["max_deadline_ms"],
         subrequest_threads=parsed["subrequest_threads"],
+        max_owed_answers=parsed["max_owed_answers"],
         stage_model_repositories=tuple(
             p.strip() for p in parsed["stage_model_repositories"].split(",") if p.strip()),
         gpu_tensors=parsed.get("gpu_tensors", GPU_TENSORS.default),

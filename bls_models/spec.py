@@ -119,7 +119,7 @@ TAGGER = ModelSpec(
     outputs=(TAG_LOGITS,),
     # One item's output is 28.7 MB: keep batches small so a batch stays well inside shm.
     max_batch_size=4,
-    batching=BatchingSpec(preferred_batch_sizes=(2, 4), max_queue_delay_us=500, max_queue_size=64),
+    batching=BatchingSpec(preferred_batch_sizes=(2, 4), max_queue_delay_us=500),
     description="Token tagger with a 512 x 14041 logits output (the large-output case)",
 )
 # The same network (same weights) exported with its reduction in the graph: per-token argmax
@@ -333,6 +333,9 @@ FAMILIES: dict[str, tuple[str, str]] = {
     "bls_cancelled_requests_total": (
         "COUNTER", "Requests cancelled by the client, by the stage they were stopped before"),
     "bls_inflight_requests": ("GAUGE", "Requests being orchestrated right now"),
+    "bls_owed_answers": (
+        "GAUGE", "Requests answered after their execute returned, still unanswered: what a "
+        "stub killed now would strand (at most max_owed_answers per instance)"),
     "bls_subrequest_rows": (
         "HISTOGRAM", "Rows per sub-request sent to a stage (a group's stacked requests)"),
     "bls_isolated_requests_total": (
@@ -353,7 +356,7 @@ def known_series(stages) -> list[tuple[str, dict[str, str]]]:
                  "bls_abandoned_subrequests_total", "bls_abandoned_subrequests_completed_total",
                  "bls_cancelled_requests_total", "bls_isolation_reused_subrequests_total")
     series = [(family, {}) for family in ("bls_request_latency_seconds", "bls_inflight_requests",
-                                          "bls_inflight_subrequests",
+                                          "bls_inflight_subrequests", "bls_owed_answers",
                                           "bls_isolated_requests_total")]
     series += [("bls_requests_total", {"code": code}) for code in REQUEST_CODES]
     for stage in stages:

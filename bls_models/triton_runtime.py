@@ -4,8 +4,10 @@
 the batch into groups, runs them on the pool (``drive``) and keeps their time on its own thread
 until every request has its answer. Invariants (the unit tests' fake ``pb_utils`` checks them):
 
-1. Every request that reaches ``execute`` has exactly one final answer before it returns,
-   whatever raises: in its list, or sent while the batch runs. Nothing is owed past it.
+1. Every request that reaches ``execute`` has exactly one final answer, whatever raises: in its
+   list, or sent as soon as it is decided. A batch OWE_AFTER_SECONDS old may leave its unanswered
+   requests owed, answered by the keeper thread, if they fit the instance's ``max_owed_answers``
+   (0: nothing is ever owed past ``execute``); else ``execute`` holds on.
 2. No answer leaves after its deadline (+ the documented slack): ``execute`` sends each one
    still waiting when its deadline, or its stage's timeout, passes.
 3. A group holds its thread until nothing of it is out, and sends nothing once every member
@@ -47,6 +49,7 @@ from bls_models.metrics import Metrics
 
 _NUMPY = {name: np.dtype(dtype) for name, dtype in S.DTYPES.items()}
 CANCEL_CHECK_SECONDS = 0.1      # a batch this old asks its clients whether they left, this often
+OWE_AFTER_SECONDS = 0.1         # a batch this old may leave what is left owed (max_owed_answers)
 SHUTDOWN_DRAIN_SECONDS = 10.0   # finalize waits this long for what runs and what is out
 SHUTDOWN_THREADS_SECONDS = 1.0  # then for the metrics' thread
 
@@ -77,21 +80,29 @@ class Orchestrator:
         self.lock, self.woken = threading.Lock(), threading.Event()
         self.out: set = set()  # sub-requests out (set operations hold under the GIL)
         self.abandoned: set = set()  # those of them no request waits for (under ``lock``)
+        self.owed: dict[Job, Group] = {}  # answered by the keeper, past execute (docs: Owed answers)
+        self.keeper_woken, self.closing = threading.Event(), False
         self.metrics.watch("bls_inflight_requests", lambda: self.inflight)
         self.metrics.watch("bls_inflight_subrequests", self.out.__len__)
+        self.metrics.watch("bls_owed_answers", self.owed.__len__)
         self.log(f"orchestrating '{self.definition.name}': {self.config}; contracts "
                  f"{ {stage: c.name for stage, c in plan.contracts.items()} }; groups of up to "
                  f"{self.group_rows} rows; kept by DLPack: {self.keep}")
         # Last: every pb_utils call of initialize is made before a second thread exists.
         self.pool = Pool(self.config.subrequest_threads, f"{self.model}-worker", self.log)
+        self.keeper = threading.Thread(target=self._keep, name=f"{self.model}-keeper", daemon=True)
+        if self.config.max_owed_answers:
+            self.keeper.start()
         self.metrics.start(f"{self.model}-metrics")
 
     # -- execute (the stub's main thread) ---------------------------------------------------
     def execute(self, requests):
-        """Answer the batch: every answer is given before this returns. Never raises."""
+        """Answer the batch: every answer is given before this returns, but those left owed (at
+        most ``max_owed_answers`` per instance, of a batch OWE_AFTER_SECONDS old). Never raises."""
         arrived = time.monotonic()
         jobs: list[Job] = []
         groups: list[Group] = []
+        owed: set = set()
         self.inflight += len(requests)
         try:
             for request in requests:
@@ -104,17 +115,17 @@ class Orchestrator:
                         self._settle(group, PipelineError(
                             Code.UNAVAILABLE, f"orchestrator '{self.model}': all "
                             f"{self.pool.size} sub-request threads are busy: retry"))
-                self._wait(jobs, groups, arrived + CANCEL_CHECK_SECONDS)
+                owed = self._wait(jobs, groups, arrived)
         except BaseException:  # noqa: BLE001 - execute must not raise (python_be.cc deletes every factory)
             self.log(f"execute failed:\n{traceback.format_exc()}", error=True)
             with self.lock:
                 for request in requests[len(jobs):]:
                     jobs.append(Job(request, "", arrived, 0, 1, 1))
                 for job in jobs:
-                    if job.outcome is None:
+                    if job.outcome is None and job not in owed:
                         job.outcome = internal_error(self.model)
         try:
-            return self._respond(jobs)
+            return self._respond(jobs, owed)
         finally:
             self.inflight -= len(requests)
 
@@ -151,32 +162,89 @@ class Orchestrator:
         if self.check is not None:
             self.check(inputs, self.setup)
 
-    def _wait(self, jobs: list[Job], groups: list[Group], check_at: float) -> None:
-        """Until every one of ``jobs`` has its outcome, keep their time: members past
-        their deadline, or their stage's timeout, get the deadline error; from ``check_at`` on,
-        every CANCEL_CHECK_SECONDS, the clients are asked whether they left. Each answer so
-        decided, and any other still waiting when its deadline passes, is sent at once."""
+    def _wait(self, jobs: list[Job], groups: list[Group], arrived: float) -> set:
+        """Keep ``jobs``' time (``_tick``) until each has its outcome, or the batch is
+        OWE_AFTER_SECONDS old and those still running fit the bound (returned: owed). An answer
+        decided while others run is sent at once; from then on, clients are asked if they left."""
         kept: set[Job] = set()  # answers the sender could not take: returned instead
+        check_at = owe_at = arrived + OWE_AFTER_SECONDS
         while True:
             now = time.monotonic()
-            with self.lock:
-                expired = {job for group in groups for job in self._expire(group, now)}
-                due = [job for job in jobs if job.outcome is not None and not job.answered
-                       and job not in kept and (job in expired or job.end <= now)]
-                pending = [job for job in jobs if job.outcome is None]
-                wake = min([check_at, *(job.end for job in pending),
-                            *(ends for group in groups
-                              for _, _, ends, members in group.out.values()
-                              if ends and any(m.outcome is None for m in members))])
+            decided, pending, wake = self._tick(jobs, groups, now, kept)
             if not pending:
-                return  # execute's list answers the rest
-            for job in due + (self._ask(groups, pending) if now >= check_at else []):
+                return set()  # execute's list answers the rest
+            if (now >= owe_at and len(pending) + len(self.owed) <= self.config.max_owed_answers
+                    and self._senders(pending)):
+                with self.lock:
+                    if len(pending) + len(self.owed) <= self.config.max_owed_answers:
+                        self.owed.update((job, group) for group in groups
+                                         for job in group.members if job in pending)
+                        self.keeper_woken.set()
+                        return set(pending)
+            for job in decided + (self._ask(groups, pending) if now >= check_at else []):
                 if not self._send(job):
                     kept.add(job)
             if now >= check_at:
                 check_at = now + CANCEL_CHECK_SECONDS
-            self.woken.wait(max(0.0, wake - time.monotonic()))
+            self.woken.wait(max(0.0, min(wake, check_at) - time.monotonic()))
             self.woken.clear()  # before the state is read again: no wake-up is lost
+
+    def _keep(self) -> None:
+        """The keeper thread: the owed requests' time, kept as ``_wait`` keeps a batch's; each
+        answer is sent as soon as it is decided. Ends once closing with nothing owed."""
+        check_at, until = 0.0, float("inf")
+        while True:
+            self.keeper_woken.wait(None if until == float("inf") else max(
+                0.0, until - time.monotonic()))
+            self.keeper_woken.clear()
+            try:
+                with self.lock:
+                    owed = dict(self.owed)
+                if not owed and self.closing:
+                    return
+                now = time.monotonic()
+                groups = list(dict.fromkeys(owed.values()))
+                decided, pending, wake = self._tick(list(owed), groups, now, set())
+                for job in decided + (self._ask(groups, pending) if now >= check_at else []):
+                    self._send(job, owed=True)
+                    with self.lock:
+                        del self.owed[job]
+                    self.woken.set()  # an execute may wait for room
+                if now >= check_at:
+                    check_at = now + CANCEL_CHECK_SECONDS
+                until = min(wake, check_at) if pending else wake
+            except Exception:  # noqa: BLE001 - a bug: logged, and the keeper keeps on
+                self.log(f"the keeper failed:\n{traceback.format_exc()}", error=True)
+                until = time.monotonic() + CANCEL_CHECK_SECONDS
+
+    def _tick(self, jobs: list[Job], groups: list[Group], now: float, kept: set):
+        """(decided and not yet sent, still running, when to look again) of ``jobs``, once
+        members past their deadline, or their stage's timeout, have their deadline errors."""
+        with self.lock:
+            for group in groups:
+                self._expire(group, now)
+            decided = [job for job in jobs if job.outcome is not None and not job.answered
+                       and job not in kept]
+            pending = [job for job in jobs if job.outcome is None]
+            wake = min([float("inf"), *(job.end for job in pending),
+                        *(ends for group in groups for _, _, ends, members in group.out.values()
+                          if ends and any(m.outcome is None for m in members))])
+        return decided, pending, wake
+
+    def _senders(self, jobs: list[Job]) -> bool:
+        """Whether each of ``jobs`` has its response sender (an owed job has no list)."""
+        try:
+            for job in jobs:
+                job.sender = job.sender or self.backend.sender(job.request)
+            return True
+        except Exception:  # noqa: BLE001 - not owed then: execute holds them
+            self.log(f"get_response_sender() failed:\n{traceback.format_exc()}", error=True)
+            return False
+
+    def _wake(self) -> None:
+        self.woken.set()
+        if self.owed:
+            self.keeper_woken.set()
 
     def _ask(self, groups: list[Group], jobs: list[Job]) -> list[Job]:
         """Those of ``jobs`` whose client left, answered CANCELLED (each asks: an IPC round
@@ -267,29 +335,49 @@ class Orchestrator:
                                     "models out of range; send values they expect")
         return None
 
-    def _send(self, job: Job) -> bool:
-        """Answer ``job`` now, through its response sender; False (unanswered) if the sender
-        was never used. Never raises."""
+    def _send(self, job: Job, owed: bool = False) -> bool:
+        """Answer ``job`` now, through its response sender; False (unanswered: execute's list
+        answers it) if the sender was never used. An owed job, which has no list, gets the
+        plainest answer then. Never raises."""
         code, content = self._content(job)
         try:
-            self.backend.send(job.request, **content)
-        except NotSent:  # execute's list answers it
+            try:
+                self.backend.send(job.request, **content, sender=job.sender)
+            except NotSent:
+                if not owed:
+                    raise
+                self.log(f"could not answer '{job.request_id}':\n{traceback.format_exc()}",
+                         error=True)
+                code, content = "INTERNAL", self._plain()
+                self.backend.send(job.request, **content, sender=job.sender)
+        except NotSent:
             self.log(f"could not answer '{job.request_id}' early:\n{traceback.format_exc()}",
                      error=True)
-            return False
+            if not owed:
+                return False
+            code = "SEND_FAILED"
         except Exception:  # noqa: BLE001 - the sender is closed now (r24.10): no retry
             self.log(f"could not send the response of '{job.request_id}':\n"
                      f"{traceback.format_exc()}", error=True)
             code = "SEND_FAILED"
         job.answered = True
+        with self.backend.lock:  # the request may die here: an object call
+            job.request = job.inputs = job.sender = None
         self._record([(job, code)])
         return True
 
-    def _respond(self, jobs: list[Job]) -> list:
-        """``execute``'s list: a response for each job not sent already. Never raises."""
+    def _plain(self) -> dict:
+        return {"message": internal_error(self.model).message, "code": "INTERNAL"}
+
+    def _respond(self, jobs: list[Job], owed: set) -> list:
+        """``execute``'s list: a response for each job not sent already nor owed. Never
+        raises."""
         responses, answered = [], []
         for job in jobs:
             response = None
+            if job in owed:
+                responses.append(None)
+                continue
             if not job.answered:
                 job.answered = True
                 code, content = self._content(job)
@@ -300,11 +388,10 @@ class Orchestrator:
                     except Exception:  # noqa: BLE001 - the plainer answer is tried next
                         self.log(f"a response could not be built:\n{traceback.format_exc()}",
                                  error=True)
-                        code, content = "INTERNAL", {"message": internal_error(
-                            self.model).message, "code": "INTERNAL"}
+                        code, content = "INTERNAL", self._plain()
                 answered.append((job, code if response is not None else "SEND_FAILED"))
             responses.append(response)
-            job.request = job.inputs = None
+            job.request = job.inputs = job.sender = None
         self._record(answered)
         return responses
 
@@ -330,7 +417,7 @@ class Orchestrator:
                 for member, part in zip(group.members, parts):
                     if member.outcome is None:
                         member.outcome = part
-            self.woken.set()
+            self._wake()
         finally:
             group.done = []
 
@@ -388,7 +475,7 @@ class Orchestrator:
                     member.outcome, given = outcome, given + 1
         if given and getattr(outcome, "kind", None) is Kind.DEADLINE:  # e.g. a queue's timeout
             self.metrics.increment("bls_deadline_exceeded_total", given, stage=outcome.stage)
-        self.woken.set()
+        self._wake()
 
     def _call(self, group: Group, call: Call, memo: Memo | None, held: list) -> dict:
         """One sub-request of ``group``, sent on this thread: its outputs, else raises its
@@ -460,7 +547,7 @@ class Orchestrator:
             group.out[token] = (stage, now, ends, group.members)
         self.out.add(token)
         if ends:
-            self.woken.set()  # execute has an earlier time to keep
+            self._wake()  # execute or the keeper has an earlier time to keep
         return max(1, int(left * 1e6))
 
     def _failure(self, group: Group, stage: str, message: str, rows: int) -> PipelineError:
@@ -479,13 +566,23 @@ class Orchestrator:
     # -- counts, metrics, shutdown ------------------------------------------------------------
     def close(self) -> None:
         """``finalize``, which r24.10 runs only between two ``execute`` calls (``pb_stub.cc``
-        2157-2176): every request is answered; what is out was abandoned. Wait (bounded) for
-        it, publish the metrics. No pb_utils call follows. Never raises."""
+        2157-2176): every request is answered but the owed ones; what is out was abandoned or
+        decides those. Wait (bounded) for it, answer the owed still undecided UNAVAILABLE, publish
+        the metrics. No pb_utils call follows. Never raises."""
         try:
+            self.closing = True
             stuck = self.pool.shutdown(SHUTDOWN_DRAIN_SECONDS)
             if stuck:
                 self.log(f"{stuck} thread(s) still wait on a sub-model at shutdown: left to "
                          "the process's exit; they make no pb_utils call", error=True)
+            with self.lock:
+                for job in self.owed:
+                    if job.outcome is None:
+                        job.outcome = PipelineError(Code.UNAVAILABLE, f"orchestrator "
+                                                    f"'{self.model}' is unloading: retry")
+            self.keeper_woken.set()
+            if self.keeper.is_alive():
+                self.keeper.join(SHUTDOWN_DRAIN_SECONDS)
             self.metrics.close(SHUTDOWN_THREADS_SECONDS)
         except BaseException:  # noqa: BLE001 - the backend is finalized all the same
             self.log(f"shutdown failed:\n{traceback.format_exc()}", error=True)

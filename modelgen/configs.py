@@ -43,13 +43,14 @@ def config_dict(model: S.ModelSpec) -> dict:
         config["dynamic_batching"] = {
             "preferred_batch_size": list(batching.preferred_batch_sizes),
             "max_queue_delay_microseconds": batching.max_queue_delay_us,
-            "default_queue_policy": {
+        }
+        if batching.queue_timeout_us or batching.max_queue_size:
+            config["dynamic_batching"]["default_queue_policy"] = {
                 "timeout_action": "REJECT",
                 "default_timeout_microseconds": batching.queue_timeout_us,
                 "allow_timeout_override": True,
                 "max_queue_size": batching.max_queue_size,
-            },
-        }
+            }
     if model.instance_count:
         # No `kind` unless the spec requires one: KIND_AUTO places instances on every GPU in the
         # container and on the CPU here.

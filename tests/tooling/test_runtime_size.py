@@ -1,8 +1,9 @@
-"""The runtime's size and one request's path, as docs/orchestrator.md states them: the runtime
-in at most 1 300 lines; a normal request through at most 6 of its modules and 12 concepts. The
-path is traced, not read off the docs: one `pipeline` request enters the model through Triton's
-own entry points (``python_model``'s class: ``initialize``, ``execute``) over the fake pb_utils,
-under the committed (CPU) configs and the GPU profile, with every thread's calls recorded.
+"""The runtime's size and one request's path, as docs/orchestrator.md states them: the runtime in
+at most 1 400 lines (1 300 until issue 47's owed answers); a normal request through at most 6 of
+its modules and 12 concepts. The path is traced, not read off the docs: one `pipeline` request
+enters the model through Triton's own entry points (``python_model``'s class: ``initialize``,
+``execute``) over the fake pb_utils, under the committed (CPU) configs and the GPU profile, with
+every thread's calls recorded.
 
 A concept is a top-level class or public function of a ``bls_models`` module whose code the
 request runs (a method counts as its class; a private helper, ``_name``, as part of its module's
@@ -23,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[2]
 PAGE = ROOT / "docs" / "orchestrator.md"
 # The contract and pipeline modules, not counted as the runtime (issue 40).
 NOT_RUNTIME = {"spec", "definition", "pipelines", "cascade", "params", "repository", "errors"}
-MAX_LINES, MAX_MODULES, MAX_CONCEPTS = 1300, 6, 12
+MAX_LINES, MAX_MODULES, MAX_CONCEPTS = 1400, 6, 12
 PIPELINE_MODULE = "pipelines"  # where `pipeline`'s run function lives
 
 
@@ -38,7 +39,7 @@ def section(title: str) -> str:
     return text[start:end if end > 0 else None]
 
 
-def test_the_runtime_is_at_most_1300_lines_and_the_page_says_how_many():
+def test_the_runtime_is_at_most_1400_lines_and_the_page_says_how_many():
     lines = sum(len(p.read_text().splitlines()) for p in runtime_modules())
     assert lines <= MAX_LINES, f"the runtime is {lines} lines"
     assert f"{lines:,}".replace(",", " ") in section("One request from `execute` to its answer"), \

@@ -44,10 +44,15 @@ What it holds to, as r24.10 does (source files of triton-inference-server/python
   ``PreferredMemory(TRITONSERVER_MEMORY_CPU, 0)`` brings them to host memory. Freeing one is an
   object call: it must happen under ``object_lock`` when a test sets it.
 * **After finalize** returned, every pb_utils call is a violation.
+* **Answers owed past execute** (r24.10: a ``None`` entry leaves the request's response factory
+  open, ``python_be.cc`` 1395-1396 and 1421-1423; the stub keeps the sender while Python holds
+  the request): such a request may still be asked ``get_response_sender`` and ``is_cancelled``
+  and answered through its sender from any thread; anything else is a violation (its memory is
+  released). At most the model's ``max_owed_answers`` may be owed at once (each is lost if the
+  stub dies); ``request.answers`` waits for an owed answer as a client would.
 * **The runtime's invariants** (bls_models/triton_runtime.py), checked by ``check()`` after every
   unit test (tests/unit/conftest.py): every request handed to ``execute`` got exactly one final
-  answer, and before ``execute`` returned (a send after that is owed past ``execute``: lost
-  when a stub dies); no answer came later than its deadline + ``DEADLINE_SLACK``; no
+  answer; no answer came later than its deadline + ``DEADLINE_SLACK``; no
   sub-request was made for requests that were all answered already (a closed group sends
   nothing more); and, where a test says what each request must get (``expect``), a success
   carries exactly its own rows' outputs and INVALID_ARG goes only to a request that is bad.
@@ -241,6 +246,7 @@ class Sender:
     done: threading.Event = field(default_factory=threading.Event)  # closed: answered or lost
     answered_at: float | None = None
     asked: int = 0  # is_cancelled() calls: each is an IPC round trip in the real stub
+    fetched: bool = False  # get_response_sender() was called
     delay: float = 0.0  # seconds a send takes (a slow round trip to the server)
     fake: "FakePbUtils | None" = None
     request: "Request | None" = None
@@ -256,9 +262,6 @@ class Sender:
                 if fake is not None:
                     fake.violation("a second send on a closed response sender")
                 raise RuntimeError("Unable to send response. Response sender has been closed.")
-            if self.request is not None and self.request.released and fake is not None:
-                fake.violation("an answer sent after execute returned: owed past execute, lost "
-                               "if the stub dies")
             self.closed, self.attempts = True, self.attempts + 1
             self.answered_at = time.monotonic()
         try:
@@ -282,6 +285,10 @@ class Sender:
 
 
 _SENDER_LOCK = threading.Lock()
+# What a request owed past execute may still be asked (r24.10: its response factory lives until
+# the final send; ``is_cancelled`` asks the factory, python_be.cc 868-875).
+_OWED_CALLS = ("get_response_sender", "is_cancelled")
+OWED_WAIT = 10.0
 
 
 def _foreign(value: np.ndarray) -> np.ndarray:
@@ -314,8 +321,18 @@ class Request:
 
     @property
     def answers(self) -> list:
-        """The responses that reached the client: sent, or returned from execute."""
+        """The responses that reached the client: sent, or returned from execute. An answer
+        owed past execute is waited for (up to OWED_WAIT seconds), as its client would."""
+        if self.owed:
+            self.sender.done.wait(OWED_WAIT)
         return self.sender.sent + ([self.returned] if self.returned is not None else [])
+
+    @property
+    def owed(self) -> bool:
+        """Left unanswered by execute's list, its sender got and still open: answered later or
+        lost (a sender never got leaves nothing to answer with)."""
+        return (self.released and self.returned is None and not self.sender.closed
+                and self.sender.fetched)
 
     @property
     def answer(self):
@@ -330,7 +347,7 @@ class Request:
     def _use(self, name: str, ipc: bool = False) -> None:
         if self.fake is not None:
             self.fake.enter(name, ipc=ipc)
-            if self.released:
+            if self.released and not (self.owed and name in _OWED_CALLS):
                 self.fake.violation(f"request.{name}() after execute returned")
                 raise RuntimeError("the request was released when execute returned")
             self.fake.faults.check(name)
@@ -349,6 +366,7 @@ class Request:
 
     def get_response_sender(self) -> Sender:
         self._use("get_response_sender")
+        self.sender.fetched = True
         return self.sender
 
     def is_cancelled(self) -> bool:
@@ -424,6 +442,7 @@ class FakePbUtils:
         # the producing instance's memory)
         self.output_memory: list[tuple[str, tuple | None]] = []
         self.violations: list[str] = []
+        self.owed: dict[int, list] = {}  # per model instance: its requests owed past execute
         self.executed: list[Request] = []       # every request handed to execute
         self.by_id: dict[str, Request] = {}     # those with a unique id
         self._inside: dict[int, str] = {}      # thread -> the object call it is in
@@ -646,6 +665,14 @@ class FakePbUtils:
             self._deliver(requests, returned)
         for request in requests:
             request.release()
+        bound = getattr(getattr(model, "config", None), "max_owed_answers", 0)
+        with self.state:
+            owed = self.owed.setdefault(id(model), [])
+            owed[:] = [r for r in owed + list(requests) if r.owed]
+            over = len(owed) > bound and not self.faults.raised
+        if over:  # (with a fault raised, an answer r24.10 can no longer give stays open here)
+            self.violation(f"{len(owed)} answers owed past execute, above the instance's "
+                           f"max_owed_answers {bound}: lost if its stub dies")
         return returned
 
     def _deliver(self, requests: list[Request], returned) -> None:
@@ -689,7 +716,12 @@ class FakePbUtils:
 
     def finalize(self, model) -> None:
         """``finalize``: from its start ``exec`` raises; after it returns, no pb_utils call may
-        happen."""
+        happen. It begins once every answer owed past ``execute`` is given (up to OWED_WAIT):
+        r24.10's core frees a model only when its response factories are released."""
+        with self.state:
+            owed = list(self.owed.get(id(model), []))
+        for request in owed:
+            request.sender.done.wait(OWED_WAIT)
         self.finalizing = True
         model.close()
         self.finalized = True

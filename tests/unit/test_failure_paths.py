@@ -166,9 +166,9 @@ def test_a_bug_in_execute_itself_answers_every_request_internal(made, monkeypatc
 def test_a_send_that_raises_once_loses_only_its_own_answer(made):
     """Three members past their deadline while a fourth still runs are sent at once; the first
     send raises (r24.10 has closed the sender: that answer is lost, counted SEND_FAILED) and the
-    others are sent all the same."""
+    others are sent all the same (nothing owed: the keeper's answer comes in execute's list)."""
     pb = FakePbUtils(sub_models())
-    made.append(orch := orchestrator(pb))
+    made.append(orch := orchestrator(pb, max_owed_answers="0"))
     requests = [Request(image_inputs(), request_id=f"r{i};classifier=0.3", timeout_us=100_000)
                 for i in range(3)]
     keeper = Request(image_inputs(), request_id="keeper", timeout_us=1_000_000)
@@ -185,9 +185,9 @@ def test_a_send_that_raises_once_loses_only_its_own_answer(made):
 def test_a_send_under_way_holds_executes_return(made):
     """An answer sent at its deadline while a batch-mate still runs takes 0.3 s to send (a slow
     round trip): ``execute`` returns only once it is done, so nothing is owed, or uses a
-    request, after ``execute`` returned."""
+    request, after ``execute`` returned (``max_owed_answers`` 0)."""
     pb = FakePbUtils(sub_models())
-    made.append(orch := orchestrator(pb))
+    made.append(orch := orchestrator(pb, max_owed_answers="0"))
     slow = Request(image_inputs(), request_id="slow;classifier=0.15", timeout_us=100_000)
     keeper = Request(image_inputs(), request_id="keeper", timeout_us=2_000_000)
     slow.sender.delay = 0.3
@@ -207,12 +207,12 @@ def test_an_answer_that_cannot_be_built_or_handed_over_early_is_still_given(call
     worst), as ``execute``'s own list does. Sent early: a success ready at its deadline
     (``early``, while the other group runs) or a deadline error (``TritonError``)."""
     pb = rows_models()
-    orch = orchestrator(pb)
+    orch = orchestrator(pb, max_owed_answers="0")  # early sends while execute holds the batch
     send = orch._send
 
-    def faulty_send(job):  # the next such call raises, whatever the timing
+    def faulty_send(job, **how):  # the next such call raises, whatever the timing
         pb.faults.plan(call, "once")
-        return send(job)
+        return send(job, **how)
 
     orch._send = faulty_send
     try:

@@ -29,9 +29,16 @@ import time
 import numpy as np
 import pytest
 
-from tests.helpers import SLACK, counted, orchestrator
+from tests import helpers
+from tests.helpers import SLACK, counted
 from tests.unit.fake_pb_utils import FakePbUtils, Request
 from tests.unit.row_models import POISON, DirectedRowModels, code_of, expect_exact, image_of
+
+
+def orchestrator(pb, *args, **parameters):
+    """The committed orchestrator with nothing owed past ``execute`` (``max_owed_answers`` 0):
+    these tests hold its in-``execute`` answers; owed ones are tests/unit/test_owed.py's."""
+    return helpers.orchestrator(pb, *args, **{"max_owed_answers": "0", **parameters})
 
 DEFAULT_DEADLINE = 2.0
 
@@ -141,6 +148,15 @@ def lost_ok(call: str, how: str, expected: set[str]) -> bool:
     return how == "always" and call == "TritonError" and expected != {"SUCCESS"}
 
 
+@pytest.fixture(autouse=True)
+def short_owed_wait(monkeypatch):
+    """An answer owed past execute that r24.10 leaves no way to give (``lost_ok``) is waited for
+    a second, not the fake's default."""
+    from tests.unit import fake_pb_utils
+
+    monkeypatch.setattr(fake_pb_utils, "OWED_WAIT", 1.0)
+
+
 def cases():
     for call in CALLS:
         for how in ("once", "always"):
@@ -223,8 +239,10 @@ def test_the_burst_without_a_fault_meets_every_expectation_on_both_answer_paths(
         pb.finalize(orch)
     for request in burst.requests:
         assert {code_of(request.answer)} == burst.expected[id(request)], request._id
-    sent_early = sorted(request._id for request in burst.requests if request.sender.sent)
-    assert sent_early == ["cancelled", "early", "slow"]
+    # Sent through their senders: these three at least (each decided while its batch-mates run;
+    # others too, as their groups end apart: an answer leaves when it is ready).
+    sent_early = {request._id for request in burst.requests if request.sender.sent}
+    assert {"cancelled", "early", "slow"} <= sent_early, sent_early
     for name in CALLS:
         assert pb.faults.calls[name] > 0, f"the burst never calls {name}"
     assert pb.check() == [] and threading.active_count() < 50
