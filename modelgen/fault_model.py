@@ -8,6 +8,8 @@ sub-request, so a test steers one stage of one request by naming this model in t
     "<anything>;fault_classifier:delay:1500"   sleep 1.5 s, then answer
     "fault_embedder:error:boom"                answer with an error "fault injected: boom"
     "fault_crash:crash"                        kill this stub process (os._exit)
+    "fault_park:park:1500"                     answer 1.5 s later through the request's
+                                               sender: the instance serves others meanwhile
 
 Several directives can be joined with ';'. Directives for other models are ignored. A coalesced
 sub-request carries its members' ids joined with ',': each member's directives count, and as in
@@ -22,6 +24,7 @@ every request whatever its data.
 
 import json
 import os
+import threading
 import time
 
 import numpy as np
@@ -83,7 +86,13 @@ class TritonPythonModel:
                 continue
             batch = pb_utils.get_input_tensor_by_name(request, self.input_name).as_numpy().shape[0]
             wanted = request.requested_output_names() or list(self.outputs)
-            responses.append(pb_utils.InferenceResponse(output_tensors=[
+            response = pb_utils.InferenceResponse(output_tensors=[
                 pb_utils.Tensor(name, np.zeros([batch, *self.outputs[name][1]], self.outputs[name][0]))
-                for name in wanted]))
+                for name in wanted])
+            if "park" in actions:  # a None entry: answered later, its instance free meanwhile
+                threading.Timer(float(actions["park"]) / 1000.0, request.get_response_sender().send,
+                                (response,), {"flags": pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL}
+                                ).start()
+                response = None
+            responses.append(response)
         return responses

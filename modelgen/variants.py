@@ -12,11 +12,15 @@ import shutil
 from pathlib import Path
 
 from bls_models import spec as S
+from bls_models.definition import QUEUED_BLS_BATCHING
 from modelgen import configs, poison
 
 FAULT_MODEL = Path(__file__).with_name("fault_model.py")
 
 _FAST_QUEUE = S.BatchingSpec(preferred_batch_sizes=(), max_queue_delay_us=0)
+# A queue policy (none in the committed configs): where a test needs Triton's queue errors.
+_QUEUED = S.BatchingSpec(preferred_batch_sizes=(), max_queue_delay_us=0,
+                         queue_timeout_us=10_000_000, max_queue_size=64)
 
 
 def fault_model(name: str, stand_in_for: S.ModelSpec, instances: int = 4,
@@ -34,9 +38,7 @@ FAULT_MODELS = (
     # One instance, a queue of 2: the fourth concurrent request is refused ("queue full"). A
     # batch of 1: an orchestrator over it runs each request as a group of its own.
     dataclasses.replace(fault_model("fault_queue", S.CLASSIFIER, instances=1,
-                                    batching=S.BatchingSpec(preferred_batch_sizes=(),
-                                                            max_queue_delay_us=0,
-                                                            max_queue_size=2)),
+                                    batching=dataclasses.replace(_QUEUED, max_queue_size=2)),
                         max_batch_size=1),
     # Killed by the crash test; nothing else uses it.
     fault_model("fault_crash", S.CLASSIFIER, instances=1),
@@ -44,6 +46,9 @@ FAULT_MODELS = (
     fault_model("fault_slow", S.CLASSIFIER),
     # Made to fail every request for a while by the sick-stage test (its error file).
     fault_model("fault_sick", S.EMBEDDER, instances=2),
+    # Slow for one request while it serves the others: a parked request is answered later
+    # through its sender (tests/live/test_head_of_line.py).
+    fault_model("fault_park", S.CLASSIFIER, instances=2),
 )
 
 
@@ -68,11 +73,9 @@ POISONED_MODELS = ((FAULT_BATCH, S.CLASS_LOGITS), (FAULT_BATCH_EMBEDDER, S.EMBED
 # by a test, a BLS sub-request to them is refused (queue full) or expires in the queue (timeout).
 CONTENDED = (
     dataclasses.replace(S.CLASSIFIER, name="classifier_queue1", instance_count=1,
-                        batching=S.BatchingSpec(preferred_batch_sizes=(), max_queue_delay_us=0,
-                                                max_queue_size=1)),
+                        batching=dataclasses.replace(_QUEUED, max_queue_size=1)),
     dataclasses.replace(S.CLASSIFIER, name="classifier_queue64", instance_count=1,
-                        batching=S.BatchingSpec(preferred_batch_sizes=(), max_queue_delay_us=0,
-                                                max_queue_size=64)),
+                        batching=_QUEUED),
 )
 PROBE_MODEL = Path(__file__).with_name("probe_model.py")
 PROBE = S.ModelSpec(
@@ -113,8 +116,10 @@ VARIANTS = (
     # classifier per request: each instance runs one batch at a time, so a burst far beyond
     # 2 x 16 rows waits in Triton's queue of this model, where the queue policy applies each
     # request's timeout, away from the queues of the models other tests use.
-    variant(S.PIPELINE, "pipeline_overload", preprocess_model="fault_preprocess",
-            classifier_model="fault_classifier", embedder_model="fault_embedder"),
+    dataclasses.replace(variant(S.PIPELINE, "pipeline_overload", preprocess_model="fault_preprocess",
+                                classifier_model="fault_classifier", embedder_model="fault_embedder",
+                                max_owed_answers="0"),
+                        batching=QUEUED_BLS_BATCHING),
 )
 
 
@@ -131,7 +136,7 @@ def real_model_variants(real_repository: Path) -> tuple[S.ModelSpec, ...]:
         dataclasses.replace(
             variant(S.PIPELINE, "pipeline_admission",
                     stage_model_repositories=str(real_repository)),
-            batching=dataclasses.replace(S.PIPELINE.batching, max_queue_size=16)),
+            batching=dataclasses.replace(QUEUED_BLS_BATCHING, max_queue_size=16)),
         # The GPU profiles' path on this CPU-only server: PIXELS kept by DLPack although it is
         # in host memory, out of preprocess's sub-response and into the next sub-requests
         # (tests/live/test_pipelines.py).
@@ -147,6 +152,30 @@ def real_model_variants(real_repository: Path) -> tuple[S.ModelSpec, ...]:
                 stage_model_repositories=str(real_repository)),
         variant(S.PIPELINE, "pipeline_poison_embedder", embedder_model=FAULT_BATCH_EMBEDDER.name,
                 stage_model_repositories=str(real_repository)),
+        # `pipeline` and its ensemble with the classifier stage on fault_park, every other stage
+        # real: head-of-line blocking, orchestrator against ensemble
+        # (tests/live/test_head_of_line.py).
+        variant(S.PIPELINE, "pipeline_park", classifier_model="fault_park",
+                stage_model_repositories=str(real_repository)),
+        variant(S.PIPELINE, "pipeline_park_bound0", classifier_model="fault_park",
+                max_owed_answers="0", stage_model_repositories=str(real_repository)),
+        dataclasses.replace(S.PIPELINE_ENSEMBLE, name="pipeline_ensemble_park", ensemble_steps=tuple(
+            dataclasses.replace(step, model="fault_park") if step.model == S.CLASSIFIER.name
+            else step for step in S.PIPELINE_ENSEMBLE.ensemble_steps)),
+        # One instance of it, with the default bound and with none: a stub killed with requests
+        # parked (tests/live/test_head_of_line.py).
+        dataclasses.replace(variant(S.PIPELINE, "pipeline_park1", classifier_model="fault_park",
+                                    stage_model_repositories=str(real_repository)),
+                            instance_count=1),
+        dataclasses.replace(variant(S.PIPELINE, "pipeline_park1_bound0",
+                                    classifier_model="fault_park", max_owed_answers="0",
+                                    stage_model_repositories=str(real_repository)),
+                            instance_count=1),
+        # One instance: a long document ahead of it, a long and a short one sent together run
+        # in one batch (tests/live/test_head_of_line.py).
+        dataclasses.replace(variant(S.TAG_PIPELINE, "tag_pipeline_one",
+                                    stage_model_repositories=str(real_repository)),
+                            instance_count=1),
         # The cascade that never escalates and the one that always does
         # (tests/live/test_cascade.py).
         variant(S.DIGITS_CASCADE, "digits_cascade_never", threshold="0",
@@ -183,10 +212,10 @@ def write_onnx(target: Path, model: S.ModelSpec, onnx_file: Path) -> None:
 
 def write(target: Path, model: S.ModelSpec, source: Path | None = None) -> None:
     """A python-backend model: its config, and ``source`` as its model.py (an orchestrator's
-    model.py names the pipeline it ``orchestrates``: generated)."""
+    model.py names the pipeline it ``orchestrates``: generated); an ensemble: its config."""
     (target / model.name / "1").mkdir(parents=True)
     (target / model.name / "config.pbtxt").write_text(configs.render(model))
     if model.orchestrates:
         (target / model.name / "1" / "model.py").write_text(configs.model_py(model.orchestrates))
-    else:
+    elif source is not None:
         shutil.copy(source, target / model.name / "1" / "model.py")

@@ -39,12 +39,12 @@ def test_a_short_chaos_soak_answers_every_request_once_and_fails_no_innocent(
     # Every kind of request was sent and the stub was killed: the run tested something.
     assert set(by_kind) == set(chaos.KINDS), by_kind
     assert len(result.kills) == 1 and result.kills[0].reloaded_s is not None, result.kills
-    # Exactly once: nothing lost, no id answered twice or answered with another's, and no orphan
-    # of the kill: the orchestrators owe nothing past execute, and r24.10 fails the requests of
-    # an execute its stub died in.
+    # Exactly once: nothing lost, no id answered twice or answered with another's; r24.10 fails
+    # the requests of an execute its stub died in, and strands at most what the killed instance
+    # owed past execute (its max_owed_answers).
     assert result.lost == 0, [n for n in result.notable if n["why"] == "lost"]
     assert result.duplicates == 0 and result.mismatches == 0
-    assert result.orphans == 0, result.kills
+    assert result.orphans <= result.orphan_bound == 4, result.kills
     # Innocent requests fail only in flight at the kill, and only on the killed model.
     assert result.innocent_failed == 0, [n for n in result.notable if n["why"] == "innocent failed"]
     assert result.bad_accepted == 0
