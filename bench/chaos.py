@@ -13,8 +13,9 @@ Closed-loop clients (a quarter over HTTP) send `pipeline` and `tag_pipeline` req
 innocent; every request carries a unique id and a deadline.
 
 Guarantees, each checked in the verdict (``Chaos.clean``, bench/chaos_accounting.py): every
-request is accounted for exactly once (0 lost, duplicated or mismatched, apart from a bounded
-number of orphans of the kills); innocent requests fail only in flight at a kill; bad inputs are
+request is accounted for exactly once (0 lost, duplicated or mismatched, apart from the requests
+a kill strands: owed past ``execute``, at most ``max_owed_answers`` per killed instance);
+innocent requests fail only in flight at a kill; bad inputs are
 never answered with a success; at most 0.5 % of the answers come later than their deadline +
 0.5 s beyond the client's own ingest; 0 whole-server restarts, and a reload after every kill.
 

@@ -20,6 +20,23 @@ AFTER_RELOAD_S = 0.5          # requests sent this soon after the switch may sti
 TRITON_QUEUE_TIMEOUT = "Request timeout expired"   # the queue policy's answer (core r24.10)
 
 
+def owed_bound(model: str) -> int:
+    """``max_owed_answers`` of ``model`` as committed (the default where it is not set):
+    what one of its stubs killed may strand."""
+    import json
+    import re
+    from pathlib import Path
+
+    from bls_models.params import MAX_OWED_ANSWERS
+
+    config = Path(__file__).resolve().parents[1] / "model_repository" / model / "config.pbtxt"
+    if not config.exists():
+        return 0
+    found = re.search(r'key: "max_owed_answers"\s*value \{\s*string_value: (".*?")',
+                      config.read_text())
+    return int(json.loads(found.group(1)) if found else MAX_OWED_ANSWERS.default)
+
+
 @dataclass
 class Outcome:
     """One request as the client saw it. ``result``: "ok" (answered with a success), "error"
@@ -210,7 +227,8 @@ def account(chaos: Chaos, outcomes: list[Outcome], kills: list[tuple[Kill, float
     chaos.orphans = sum(k.orphans for k in chaos.kills)
     chaos.in_flight_at_kills = sum(k.in_flight for k in chaos.kills)
     chaos.innocent_failed_at_kills = sum(k.innocent_failed for k in chaos.kills)
-    chaos.orphan_bound = max(len(chaos.kills), int(0.05 * chaos.in_flight_at_kills))
+    # Owed past execute (max_owed_answers per killed instance): r24.10 never answers those.
+    chaos.orphan_bound = sum(owed_bound(kill.model) for kill in chaos.kills)
     if worst is not None:
         chaos.worst_excess_s, chaos.worst_excess_id = round(worst[0], 3), worst[1]
     chaos.latency_ms = {m: {"p50": float(np.percentile(v, 50) * 1e3),

@@ -71,9 +71,10 @@ def report(chaos: Chaos, out: Path, command: str, raw: Path | None = None,
     lines += ["",
               f"- lost: **{chaos.lost}**; duplicates: **{chaos.duplicates}**; mismatched ids: "
               f"**{chaos.mismatches}**",
-              f"- orphans (in flight on a killed stub's model, never answered; r24.10): "
-              f"**{chaos.orphans}** of {chaos.in_flight_at_kills} in flight at the kills "
-              f"(bound {chaos.orphan_bound})",
+              f"- stranded (in flight on a killed stub's model, never answered: owed past "
+              f"`execute`, r24.10): **{chaos.orphans}** of {chaos.in_flight_at_kills} in flight "
+              f"at the kills (bound: `max_owed_answers` per killed instance, "
+              f"{chaos.orphan_bound} in all)",
               f"- innocent requests failed: **{chaos.innocent_failed}** elsewhere, "
               f"{chaos.innocent_failed_at_kills} in flight at a kill",
               f"- bad inputs answered with a success: **{chaos.bad_accepted}**",

@@ -269,3 +269,109 @@ def cpu(ctx, result, server: TritonServer, local: clients.InProcess | None,
     result.data["accounting_concurrency"] = concurrency
     result.data["cpu_ms_per_request"] = columns
     return lines
+
+
+# -- `python -m bench.overhead`: issue 47's side-by-side ---------------------------------------
+QUEUE_POLICY = ("  default_queue_policy {\n    default_timeout_microseconds: 30000000\n"
+                "    allow_timeout_override: true\n    max_queue_size: 4096\n  }\n")
+
+
+def with_queue_policy(repository: Path) -> None:
+    """Give every dynamic batcher of ``repository`` the queue policy the committed configs had
+    until issue 47 (the stall's cause: Triton 2.51 stops prefetching with one)."""
+    for config in repository.glob("*/config.pbtxt"):
+        text = config.read_text()
+        if "default_queue_policy" not in text:
+            config.write_text(text.replace("dynamic_batching {\n",
+                                           "dynamic_batching {\n" + QUEUE_POLICY))
+
+
+def side_by_side_run(repository: Path, size: str, queue_policy: bool, rounds: int,
+                     p99_seconds: float) -> dict:
+    """`pipeline` and the plainest per-batch BLS on `pipeline`'s config, one server: the
+    anchor figures in ``rounds`` interleaved rounds, then each driven ``p99_seconds`` at
+    concurrency 16 (perf_analyzer's p99 over three windows)."""
+    log = ROOT / ".triton" / f"side-by-side-{time.strftime('%Y%m%d-%H%M%S')}.log"
+    with tempfile.TemporaryDirectory(prefix="side-by-side-") as tmp:
+        served = fast_repository(Path(tmp) / "model_repository", repository, size)
+        if queue_policy:
+            with_queue_policy(served)
+        with TritonServer(on_free_ports(served, log)) as server:
+            models = {"bls": "pipeline", "minimal": "pipeline_minimal"}
+            figures = anchors.side_by_side(server, models, rounds, levels=(16,))
+            # perf_analyzer reports over its last 3 windows: 3 of p99_seconds / 3 each.
+            settings = perf.Settings(window_ms=int(p99_seconds * 1000 / 3), stability=1000,
+                                     max_trials=3, percentile=99)
+            for key, model in models.items():
+                run = perf.run(model, server.grpc_url, [16], settings)
+                # no p99 when perf_analyzer finds no 3 windows alike even at 1000 %: stalls
+                figures[key]["p99_c16_60s_ms"] = [run.points[0].p99_ms if run.points
+                                                  else float("nan")]
+                if not run.points:
+                    print(f"perf_analyzer on {model}: {run.error}", flush=True)
+            for key, model in models.items():
+                figures[key].update(stalls(server, model, p99_seconds))
+    return figures
+
+
+def stalls(server, model: str, seconds: float, over: float = 0.3) -> dict[str, list[float]]:
+    """``model`` driven by 16 closed-loop gRPC clients for ``seconds``: every latency kept, so a
+    500 ms stall of the batcher shows even where it is too rare for a p99 (its requests, their
+    p99.9 and the slowest)."""
+    import threading
+
+    from tritonlocal.load import closed_loop
+
+    stop, answers = threading.Event(), []
+    timer = threading.Timer(seconds, stop.set)
+    timer.start()
+    asyncio.run(closed_loop(server.grpc_url, model, 16, nets.synthetic_images(1, seed=5).numpy(),
+                            stop, answers=answers))
+    latencies = np.array([a.finished - a.started for a in answers])
+    return {"requests_60s": [len(latencies)],
+            f"over_{int(over * 1000)}ms": [int((latencies > over).sum())],
+            "p999_ms": [float(np.percentile(latencies, 99.9) * 1e3)],
+            "max_ms": [float(latencies.max() * 1e3)]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+    import json
+
+    parser = argparse.ArgumentParser(prog="python -m bench.overhead",
+                                     description="issue 47's side-by-side: `pipeline` against "
+                                     "the plainest per-batch BLS on its config")
+    parser.add_argument("--size", default=SIZE, help="fast (GPU stand-in) or committed (CNNs)")
+    parser.add_argument("--queue-policy", action="store_true",
+                        help="every config with the queue policy it had until issue 47")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--p99-seconds", type=float, default=60.0)
+    parser.add_argument("--out", type=Path, required=True, help="a JSON file")
+    args = parser.parse_args(argv)
+    figures = side_by_side_run(ROOT / "model_repository", args.size, args.queue_policy,
+                               args.rounds, args.p99_seconds)
+    med = statistics.median
+    table = {
+        "throughput c=16 (pipeline / anchor)": med(anchors.paired(figures, "bls", "minimal",
+                                                                  "rps_c16")),
+        "p50 c=1 (pipeline - anchor, ms)": med(anchors.paired(figures, "bls", "minimal",
+                                                              "p50_c1_us", True)) / 1000,
+        "stub CPU (pipeline / anchor)": med(anchors.paired(figures, "bls", "minimal",
+                                                           "stub_cpu_ms")),
+        "p99 c=16 60 s (pipeline, anchor, ms)": (figures["bls"]["p99_c16_60s_ms"][0],
+                                                 figures["minimal"]["p99_c16_60s_ms"][0]),
+        **{f"{figure} c=16 60 s, closed loop (pipeline, anchor)": (
+            figures["bls"][figure][0], figures["minimal"][figure][0])
+           for figure in ("requests_60s", "over_300ms", "p999_ms", "max_ms")},
+    }
+    args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
+                                    "table": table, "rounds": figures}, indent=1))
+    for figure, value in table.items():
+        print(f"{figure}: {value}")
+    return 0
+
+
+if __name__ == "__main__":
+    from bench.common import run_as_program
+
+    run_as_program(main)
