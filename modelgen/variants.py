@@ -171,11 +171,6 @@ def real_model_variants(real_repository: Path) -> tuple[S.ModelSpec, ...]:
                                     classifier_model="fault_park", max_owed_answers="0",
                                     stage_model_repositories=str(real_repository)),
                             instance_count=1),
-        # One instance: a long document ahead of it, a long and a short one sent together run
-        # in one batch (tests/live/test_head_of_line.py).
-        dataclasses.replace(variant(S.TAG_PIPELINE, "tag_pipeline_one",
-                                    stage_model_repositories=str(real_repository)),
-                            instance_count=1),
         # The cascade that never escalates and the one that always does
         # (tests/live/test_cascade.py).
         variant(S.DIGITS_CASCADE, "digits_cascade_never", threshold="0",
