@@ -173,14 +173,14 @@ class Orchestrator:
             decided, pending, wake = self._tick(jobs, groups, now, kept)
             if not pending:
                 return set()  # execute's list answers the rest
+            # Only this thread adds to ``owed`` (the keeper only takes out): room seen is kept.
             if (now >= owe_at and len(pending) + len(self.owed) <= self.config.max_owed_answers
                     and self._senders(pending)):
                 with self.lock:
-                    if len(pending) + len(self.owed) <= self.config.max_owed_answers:
-                        self.owed.update((job, group) for group in groups
-                                         for job in group.members if job in pending)
-                        self.keeper_woken.set()
-                        return set(pending)
+                    self.owed.update((job, group) for group in groups
+                                     for job in group.members if job in pending)
+                self.keeper_woken.set()
+                return set(pending)
             for job in decided + (self._ask(groups, pending) if now >= check_at else []):
                 if not self._send(job):
                     kept.add(job)

@@ -165,11 +165,21 @@ def cases():
             yield pytest.param(call, how, id=f"{call}-{how}", marks=marks)
 
 
+# With the committed max_owed_answers the burst's slow batches are owed: the keeper's
+# get_response_sender and send are the calls faulted. One case is an open finding (issue 47).
+OWED_KNOWN = {("send", "always"): "one request more is lost than counted SEND_FAILED (8 vs 7)"}
+
+
+@pytest.mark.parametrize("bound", ["0", "committed"])
 @pytest.mark.parametrize(("call", "how"), list(cases()))
-def test_a_failing_pb_utils_call_leaves_every_request_answered_once_on_time(call, how):
+def test_a_failing_pb_utils_call_leaves_every_request_answered_once_on_time(call, how, bound,
+                                                                           request):
+    if bound == "committed" and (call, how) in OWED_KNOWN:
+        request.applymarker(pytest.mark.xfail(strict=True, reason=OWED_KNOWN[(call, how)]))
     pb = FakePbUtils(DirectedRowModels().models())
     expect_exact(pb)
-    orch = orchestrator(pb, default_deadline_ms=str(int(DEFAULT_DEADLINE * 1e3)))
+    make = orchestrator if bound == "0" else helpers.orchestrator
+    orch = make(pb, default_deadline_ms=str(int(DEFAULT_DEADLINE * 1e3)))
     try:
         check_burst(pb, orch, call, how)
     finally:
@@ -190,10 +200,9 @@ def test_a_failing_dlpack_hand_over_leaves_every_request_answered_once_on_time(h
                                                                                monkeypatch):
     """The GPU profile's one call more: PIXELS goes to the next stages by
     ``Tensor.from_dlpack``. It failing, once and always, is held to the same checks."""
-    from tests import helpers
-
     monkeypatch.setattr(helpers, "profile", "gpu")
-    test_a_failing_pb_utils_call_leaves_every_request_answered_once_on_time("from_dlpack", how)
+    test_a_failing_pb_utils_call_leaves_every_request_answered_once_on_time(
+        "from_dlpack", how, "committed", None)
 
 
 def check_burst(pb, orch, call: str, how: str) -> None:
