@@ -21,20 +21,18 @@ TRITON_QUEUE_TIMEOUT = "Request timeout expired"   # the queue policy's answer (
 
 
 def owed_bound(model: str) -> int:
-    """``max_owed_answers`` of ``model`` as committed (the default where it is not set):
-    what one of its stubs killed may strand."""
-    import json
-    import re
+    """``max_owed_answers`` of ``model`` as committed (the default where it is not set): what
+    one of its stubs killed may strand."""
     from pathlib import Path
 
     from bls_models.params import MAX_OWED_ANSWERS
+    from bls_models.repository import load_config
 
     config = Path(__file__).resolve().parents[1] / "model_repository" / model / "config.pbtxt"
     if not config.exists():
         return 0
-    found = re.search(r'key: "max_owed_answers"\s*value \{\s*string_value: (".*?")',
-                      config.read_text())
-    return int(json.loads(found.group(1)) if found else MAX_OWED_ANSWERS.default)
+    value = load_config(config).parameters.get("max_owed_answers")
+    return int(value.string_value if value is not None else MAX_OWED_ANSWERS.default)
 
 
 @dataclass
