@@ -49,6 +49,10 @@ FAULT_MODELS = (
     # Slow for one request while it serves the others: a parked request is answered later
     # through its sender (tests/live/test_head_of_line.py).
     fault_model("fault_park", S.CLASSIFIER, instances=2),
+    # The same with a batch of 1: an orchestrator over it runs each request as a group of its
+    # own, so one execute holds several groups (tests/live/test_head_of_line.py).
+    dataclasses.replace(fault_model("fault_park_single", S.CLASSIFIER, instances=1),
+                        max_batch_size=1),
 )
 
 
@@ -169,6 +173,16 @@ def real_model_variants(real_repository: Path) -> tuple[S.ModelSpec, ...]:
                             instance_count=1),
         dataclasses.replace(variant(S.PIPELINE, "pipeline_park1_bound0",
                                     classifier_model="fault_park", max_owed_answers="0",
+                                    stage_model_repositories=str(real_repository)),
+                            instance_count=1),
+        # One instance over fault_park_single, with the default bound and with none: requests
+        # of one execute in groups of their own (tests/live/test_head_of_line.py).
+        dataclasses.replace(variant(S.PIPELINE, "pipeline_park_single",
+                                    classifier_model="fault_park_single",
+                                    stage_model_repositories=str(real_repository)),
+                            instance_count=1),
+        dataclasses.replace(variant(S.PIPELINE, "pipeline_park_single_bound0",
+                                    classifier_model="fault_park_single", max_owed_answers="0",
                                     stage_model_repositories=str(real_repository)),
                             instance_count=1),
         # The cascade that never escalates and the one that always does

@@ -168,3 +168,89 @@ def test_a_stub_killed_with_requests_parked_strands_at_most_the_bound(
     assert reloaded <= RELOADED_WITHIN, reloaded
     assert after.as_numpy(S.EMBEDDING.name).shape == (1, S.EMBEDDING.dims[0])
 
+
+
+
+
+# An answer leaves when it is ready (issue 47). r24.10's batcher gives one `execute` only
+# requests of equal shape (a variable-size input without allow_ragged_batch: core
+# `backend_model.cc` 808-816, `dynamic_batch_scheduler.cc` 553-560) and at most max_batch_size
+# rows (547-550), which is every committed orchestrator's group size: with the committed configs
+# a batch is one group, and a short document never shares an execute with a long one (tried: 27
+# requests, 27 executions). Live, an answer is decided apart from its batch-mates' in two ways,
+# each checked here with a mate parked LONG_MS at the classifier:
+# * ``deadline``: one group (`pipeline_park1`); the other request's SHORT_US deadline passes
+#   while the group's classifier sub-request is parked, and its deadline error leaves then;
+# * ``ready``: a classifier with a batch of 1 (`pipeline_park_single`), so each request is a
+#   group of its own; the other one's success leaves when its group is done.
+# A first request, parked FIRST_MS, holds the one instance while the pair queues, so Triton hands
+# the pair to one `execute` (the execution count says so). The other's answer must come at least
+# LONG_MS - READY_SLACK before its parked mate's. With the bound at 0, without answers sent when
+# decided, both would leave together. The 20 ms promise itself is the fake's test
+# (tests/unit/test_owed.py).
+FIRST_MS, LONG_MS, SHORT_US, READY_SLACK, READY_ROUNDS = 150, 1500, 300_000, 0.5, 3
+# how -> (model, its classifier, the other request's infer arguments)
+DECIDED = {"deadline": ("pipeline_park1", "fault_park", {"timeout": SHORT_US}),
+           "ready": ("pipeline_park_single", "fault_park_single", {})}
+
+
+def _executions(client, model: str) -> tuple[int, int]:
+    stats = client.get_inference_statistics(model, as_json=True)["model_stats"]
+    return (sum(int(s.get("execution_count", 0)) for s in stats),
+            sum(int(s.get("inference_count", 0)) for s in stats))
+
+
+@pytest.mark.parametrize("bound", ["committed", "0"])
+@pytest.mark.parametrize("how", list(DECIDED))
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+def test_an_answer_decided_apart_leaves_before_its_parked_batch_mate(protocol, how, bound,
+                                                                     server):
+    model, classifier, kwargs = DECIDED[how]
+    model += "_bound0" if bound == "0" else ""
+    url = server.http_url if protocol == "http" else server.grpc_url
+    module = httpclient if protocol == "http" else grpcclient
+    stats = grpcclient.InferenceServerClient(server.grpc_url)
+    data = image(seed=11)
+
+    def send(request_id: str, ended: dict, **kwargs) -> None:
+        client = module.InferenceServerClient(url)
+        try:
+            infer(protocol, client, model, "IMAGE", data, "UINT8", OUTPUTS,
+                  request_id=request_id, **kwargs)
+            ended[request_id.split(";")[0]] = (time.monotonic(), None)
+        except Exception as error:  # noqa: BLE001 - a deadline error is expected of one
+            ended[request_id.split(";")[0]] = (time.monotonic(), str(error))
+        client.close()
+
+    rows = []
+    for _attempt in range(3 * READY_ROUNDS):
+        before, ended = _executions(stats, model), {}
+        first = threading.Thread(target=send, args=(f"first;{classifier}:park:{FIRST_MS}",
+                                                       ended))
+        first.start()
+        time.sleep(0.03)  # the first is in execute: the next two queue together
+        sent = time.monotonic()
+        pair = [threading.Thread(target=send, args=(f"long;{classifier}:park:{LONG_MS}",
+                                                      ended)),
+                threading.Thread(target=send, args=("other", ended), kwargs=kwargs)]
+        for thread in pair:
+            thread.start()
+        for thread in (first, *pair):
+            thread.join(60)
+        after = _executions(stats, model)
+        if (after[0] - before[0], after[1] - before[1]) != (2, 3):
+            continue  # the pair did not share an execute: this round says nothing
+        (other, error), (long, long_error) = ended["other"], ended["long"]
+        assert long_error is None and ended["first"][1] is None, ended
+        if how == "deadline":
+            assert error and "deadline exceeded in stage 'classifier'" in error, ended
+        else:
+            assert error is None, ended
+        rows.append((round(other - sent, 3), round(long - sent, 3)))
+        if len(rows) == READY_ROUNDS:
+            break
+    stats.close()
+    print(f"\n{model} {protocol}: (other, parked mate) answered after the pair was sent, s: "
+          f"{rows}")
+    assert len(rows) == READY_ROUNDS, f"the pair shared an execute in {len(rows)} rounds only"
+    assert all(long - other >= LONG_MS / 1e3 - READY_SLACK for other, long in rows), rows
