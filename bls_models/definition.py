@@ -258,24 +258,3 @@ def _resolve(function: RunFunction | str) -> RunFunction:
     module, _, attribute = function.partition(":")
     return getattr(importlib.import_module(module), attribute)
 
-
-# -- the registry: pipelines a model.py can name ---------------------------------------------------
-_REGISTRY: dict[str, PipelineDef] = {}
-
-
-def register(*definitions: PipelineDef) -> None:
-    for definition in definitions:
-        known = _REGISTRY.get(definition.name)
-        if known is not None and known is not definition:
-            raise ValueError(f"a different pipeline named '{definition.name}' is registered")
-        _REGISTRY[definition.name] = definition
-
-
-def registered(name: str) -> PipelineDef:
-    """The registered pipeline ``name`` (the repository's own are registered by ``spec``)."""
-    importlib.import_module("bls_models.spec")  # registers the repository's own pipelines
-    try:
-        return _REGISTRY[name]
-    except KeyError:
-        raise KeyError(f"no pipeline named '{name}' is registered "
-                       f"(registered: {', '.join(sorted(_REGISTRY))})") from None

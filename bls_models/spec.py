@@ -21,7 +21,6 @@ from bls_models.definition import (
     PipelineDef,
     StageDef,
     TensorSpec,
-    register,
 )
 from bls_models.errors import Code, Kind
 from bls_models.params import Param, RealParam
@@ -249,7 +248,16 @@ DIGITS_CASCADE_DEF = PipelineDef(
     description="BLS: digits_small for every row, digits_large only for the rows it is unsure of",
 )
 PIPELINE_DEFS: tuple[PipelineDef, ...] = (PIPELINE_DEF, TAG_PIPELINE_DEF, DIGITS_CASCADE_DEF)
-register(*PIPELINE_DEFS)
+
+
+def registered(name: str) -> PipelineDef:
+    """The repository's own pipeline ``name``: what a generated model.py names."""
+    for definition in PIPELINE_DEFS:
+        if definition.name == name:
+            return definition
+    raise KeyError(f"no pipeline named '{name}' (the repository's own: "
+                   f"{', '.join(d.name for d in PIPELINE_DEFS)})")
+
 
 PIPELINE = PIPELINE_DEF.model_spec()
 TAG_PIPELINE = TAG_PIPELINE_DEF.model_spec()

@@ -21,7 +21,8 @@ from tritonclient.grpc import model_config_pb2
 
 from bls_models import repository
 from bls_models import spec as S
-from bls_models.definition import PipelineDef, registered
+from bls_models.definition import PipelineDef
+from bls_models.spec import registered
 
 HEADER = "# Generated from bls_models/spec.py by `python -m modelgen.configs`; do not edit.\n"
 

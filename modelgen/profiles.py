@@ -40,7 +40,7 @@ from pathlib import Path
 from google.protobuf import text_format
 
 from bls_models import spec as S
-from bls_models.definition import registered
+from bls_models.spec import registered
 from modelgen import configs
 
 PROFILES = ("gpu", "gpu-ort-trt", "gpu-trt")

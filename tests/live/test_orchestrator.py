@@ -20,8 +20,8 @@ import pytest
 import tritonclient.grpc as grpcclient
 
 from bls_models import spec as S
-from bls_models.definition import registered
 from bls_models.metrics import FAMILIES, known_series
+from bls_models.spec import registered
 from tests.helpers import (
     SLACK,
     STATUS,

@@ -9,7 +9,7 @@ import pytest
 from tritonclient.grpc import model_config_pb2
 
 from bls_models import spec as S
-from bls_models.definition import registered
+from bls_models.spec import registered
 from modelgen import configs, export
 
 MODELS = [m.name for m in S.ALL_MODELS]

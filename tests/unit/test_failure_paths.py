@@ -404,7 +404,7 @@ def test_an_output_driven_to_nan_fails_its_own_request_alone(made):
 def test_an_output_the_contract_lets_be_non_finite_is_answered_as_it_is(made):
     from dataclasses import replace
 
-    from bls_models.definition import registered
+    from bls_models.spec import registered
 
     pb = FakePbUtils({"digits_small": overflowing_digits, "digits_large": overflowing_digits})
     definition = replace(registered("digits_cascade"), non_finite=("DIGIT_PROB",))

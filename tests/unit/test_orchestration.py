@@ -12,7 +12,7 @@ import pytest
 
 from bls_models import drive, params, pipelines
 from bls_models import spec as S
-from bls_models.definition import Setup, registered
+from bls_models.definition import Setup
 from bls_models.errors import (
     Code,
     DeadlineExceeded,
@@ -23,6 +23,7 @@ from bls_models.errors import (
     sub_request_failed,
 )
 from bls_models.group import Job
+from bls_models.spec import registered
 
 
 class FakeSubModels:

@@ -23,7 +23,7 @@ pytestmark = pytest.mark.usefixtures("profile")
 
 def legacy(model: str = "pipeline", **settings: str) -> dict[str, str]:
     """``settings`` the pipeline accepts (those of the replaced runtime are dropped here)."""
-    from bls_models.definition import registered
+    from bls_models.spec import registered
 
     accepted = {p.name for p in registered(model).accepted()}
     return {name: value for name, value in settings.items() if name in accepted}
