@@ -166,25 +166,15 @@ def real_model_variants(real_repository: Path) -> tuple[S.ModelSpec, ...]:
         dataclasses.replace(S.PIPELINE_ENSEMBLE, name="pipeline_ensemble_park", ensemble_steps=tuple(
             dataclasses.replace(step, model="fault_park") if step.model == S.CLASSIFIER.name
             else step for step in S.PIPELINE_ENSEMBLE.ensemble_steps)),
-        # One instance of it, with the default bound and with none: a stub killed with requests
-        # parked (tests/live/test_head_of_line.py).
-        dataclasses.replace(variant(S.PIPELINE, "pipeline_park1", classifier_model="fault_park",
-                                    stage_model_repositories=str(real_repository)),
-                            instance_count=1),
-        dataclasses.replace(variant(S.PIPELINE, "pipeline_park1_bound0",
-                                    classifier_model="fault_park", max_owed_answers="0",
-                                    stage_model_repositories=str(real_repository)),
-                            instance_count=1),
-        # One instance over fault_park_single, with the default bound and with none: requests
-        # of one execute in groups of their own (tests/live/test_head_of_line.py).
-        dataclasses.replace(variant(S.PIPELINE, "pipeline_park_single",
-                                    classifier_model="fault_park_single",
-                                    stage_model_repositories=str(real_repository)),
-                            instance_count=1),
-        dataclasses.replace(variant(S.PIPELINE, "pipeline_park_single_bound0",
-                                    classifier_model="fault_park_single", max_owed_answers="0",
-                                    stage_model_repositories=str(real_repository)),
-                            instance_count=1),
+        # One instance of `pipeline` over fault_park, with the default bound and with none: a
+        # stub killed with requests parked; and over fault_park_single, whose batch of 1 makes
+        # each request of an execute a group of its own (tests/live/test_head_of_line.py).
+        *(dataclasses.replace(variant(S.PIPELINE, name + suffix, classifier_model=classifier,
+                                      stage_model_repositories=str(real_repository), **bound),
+                              instance_count=1)
+          for name, classifier in (("pipeline_park1", "fault_park"),
+                                   ("pipeline_park_single", "fault_park_single"))
+          for suffix, bound in (("", {}), ("_bound0", {"max_owed_answers": "0"}))),
         # The cascade that never escalates and the one that always does
         # (tests/live/test_cascade.py).
         variant(S.DIGITS_CASCADE, "digits_cascade_never", threshold="0",
