@@ -76,51 +76,30 @@ _SMALL_BATCHES = BatchingSpec(preferred_batch_sizes=(4, 8), max_queue_delay_us=1
 # instances and batches instead. The GPU profiles set their own (modelgen/profiles.py).
 ORT_CPU_PARAMETERS = {"intra_op_thread_count": "1", "inter_op_thread_count": "1"}
 
-PREPROCESS = ModelSpec(
-    name="preprocess",
-    backend="onnxruntime",
-    parameters=ORT_CPU_PARAMETERS,
-    inputs=(IMAGE,),
-    outputs=(PIXELS,),
-    max_batch_size=16,
-    batching=_LARGE_BATCHES,
-    description="UINT8 HWC image -> ImageNet-normalised FP32 CHW pixels",
-)
-CLASSIFIER = ModelSpec(
-    name="classifier",
-    backend="onnxruntime",
-    parameters=ORT_CPU_PARAMETERS,
-    inputs=(PIXELS,),
-    outputs=(CLASS_LOGITS,),
-    max_batch_size=16,
-    batching=_LARGE_BATCHES,
-    # Tuned: 4 instances (one ONNX Runtime thread each, ORT_CPU_PARAMETERS).
-    instance_count=4,
-    description="ResNet-style CNN, 1000 class logits",
-)
-EMBEDDER = ModelSpec(
-    name="embedder",
-    backend="onnxruntime",
-    parameters=ORT_CPU_PARAMETERS,
-    inputs=(PIXELS,),
-    outputs=(EMBEDDING,),
-    max_batch_size=16,
-    batching=_SMALL_BATCHES,
-    # Tuned (make tune): 2 instances, 4 % more than 4 at concurrency 16 in the same run.
-    instance_count=2,
-    description="Depthwise-separable CNN, L2-normalised 256-d embedding",
-)
-TAGGER = ModelSpec(
-    name="tagger",
-    backend="onnxruntime",
-    parameters=ORT_CPU_PARAMETERS,
-    inputs=(TOKENS,),
-    outputs=(TAG_LOGITS,),
-    # One item's output is 28.7 MB: keep batches small so a batch stays well inside shm.
-    max_batch_size=4,
-    batching=BatchingSpec(preferred_batch_sizes=(2, 4), max_queue_delay_us=500),
-    description="Token tagger with a 512 x 14041 logits output (the large-output case)",
-)
+
+def onnx_model(name: str, inputs: tuple, outputs: tuple, description: str,
+               batching: BatchingSpec = _LARGE_BATCHES, max_batch_size: int = 16,
+               **instances: int) -> ModelSpec:
+    """A model served by Triton's onnxruntime backend, with the CPU parameters."""
+    return ModelSpec(name=name, backend="onnxruntime", parameters=ORT_CPU_PARAMETERS,
+                     inputs=inputs, outputs=outputs, max_batch_size=max_batch_size,
+                     batching=batching, description=description, **instances)
+
+
+PREPROCESS = onnx_model("preprocess", (IMAGE,), (PIXELS,),
+                        "UINT8 HWC image -> ImageNet-normalised FP32 CHW pixels")
+# Tuned: 4 instances (one ONNX Runtime thread each, ORT_CPU_PARAMETERS).
+CLASSIFIER = onnx_model("classifier", (PIXELS,), (CLASS_LOGITS,),
+                        "ResNet-style CNN, 1000 class logits", instance_count=4)
+# Tuned (make tune): 2 instances, 4 % more than 4 at concurrency 16 in the same run.
+EMBEDDER = onnx_model("embedder", (PIXELS,), (EMBEDDING,),
+                      "Depthwise-separable CNN, L2-normalised 256-d embedding",
+                      batching=_SMALL_BATCHES, instance_count=2)
+# One item's output is 28.7 MB: keep batches small so a batch stays well inside shm.
+TAGGER = onnx_model("tagger", (TOKENS,), (TAG_LOGITS,),
+                    "Token tagger with a 512 x 14041 logits output (the large-output case)",
+                    batching=BatchingSpec(preferred_batch_sizes=(2, 4), max_queue_delay_us=500),
+                    max_batch_size=4)
 # The same network (same weights) exported with its reduction in the graph: per-token argmax
 # and that token's softmax probability, 8 bytes per token instead of 56 KB. The 28.7 MB of
 # logits exist only inside ONNX Runtime (or TensorRT, on the GPU) and are never copied out.
@@ -135,18 +114,10 @@ TOP_K = 5
 CLASS_IDS = TensorSpec("CLASS_IDS", "TYPE_INT64", (TOP_K,))
 CLASS_PROBS = TensorSpec("CLASS_PROBS", "TYPE_FP32", (TOP_K,))
 
-POSTPROCESS = ModelSpec(
-    name="postprocess",
-    backend="onnxruntime",
-    parameters=ORT_CPU_PARAMETERS,
-    inputs=(CLASS_LOGITS,),
-    outputs=(CLASS_IDS, CLASS_PROBS),
-    max_batch_size=16,
-    # Not tuned (only the ensemble baseline uses it): the same batching as its producer, the
-    # classifier.
-    batching=_LARGE_BATCHES,
-    description="softmax + top-5 over class logits (the ensemble's last step)",
-)
+# Not tuned (only the ensemble baseline uses it): the same batching as its producer, the
+# classifier.
+POSTPROCESS = onnx_model("postprocess", (CLASS_LOGITS,), (CLASS_IDS, CLASS_PROBS),
+                         "softmax + top-5 over class logits (the ensemble's last step)")
 
 # The digits cascade (modelgen/digits.py trains both on scikit-learn's bundled 8x8 digits): raw
 # pixels 0..16 in, softmax probabilities out, the scaling and the softmax in each graph.
@@ -155,16 +126,10 @@ DIGIT_PROBS = TensorSpec("DIGIT_PROBS", "TYPE_FP32", (10,))
 # A batch of 32 rows and a 100 us delay let the batcher merge concurrent requests without
 # holding a lone one back.
 _DIGITS_BATCHES = BatchingSpec(preferred_batch_sizes=(16, 32), max_queue_delay_us=100)
-DIGITS_SMALL = ModelSpec(
-    name="digits_small",
-    backend="onnxruntime",
-    parameters=ORT_CPU_PARAMETERS,
-    inputs=(DIGIT_PIXELS,),
-    outputs=(DIGIT_PROBS,),
-    max_batch_size=32,
-    batching=_DIGITS_BATCHES,
-    description="8x8 digit -> class probabilities through one linear layer (the cheap opinion)",
-)
+DIGITS_SMALL = onnx_model(
+    "digits_small", (DIGIT_PIXELS,), (DIGIT_PROBS,),
+    "8x8 digit -> class probabilities through one linear layer (the cheap opinion)",
+    batching=_DIGITS_BATCHES, max_batch_size=32)
 DIGITS_LARGE = replace(
     DIGITS_SMALL,
     name="digits_large",

@@ -31,7 +31,6 @@ import numpy as np
 from bls_models import repository
 from bls_models import spec as S
 from bls_models.backend import Backend, DeviceTensor, Finalized, NotSent
-from bls_models.definition import PipelineDef
 from bls_models.drive import Abandoned, Call, Pool, drive
 from bls_models.errors import (
     Cancelled,
@@ -46,7 +45,7 @@ from bls_models.errors import (
 from bls_models.group import Group, Job
 from bls_models.isolation import Memo, bisect, pad, row_caused
 from bls_models.metrics import Metrics
-from bls_models.spec import registered
+from bls_models.spec import PipelineDef, registered
 
 _NUMPY = {name: np.dtype(dtype) for name, dtype in S.DTYPES.items()}
 CANCEL_CHECK_SECONDS = 0.1      # a batch this old asks its clients whether they left, this often
