@@ -54,7 +54,7 @@ STAMP  := $(VENV)/.installed
 
 .DEFAULT_GOAL := help
 .PHONY: tune help venv backend backend-gpu gpu-host models configs serve lint test test-unit bench bench-pb-calls bench-recovery bench-poison-load bench-ledger soak clean docker-build docker-run test-container gpu-check
-BENCH_EXPERIMENTS := ort_options orchestration overhead fanout designs large_output clients overload control_flow
+BENCH_EXPERIMENTS := ort_options orchestration overhead overload control_flow
 
 help: ## Show this help
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-15s %s\n", $$1, $$2}'
@@ -140,7 +140,7 @@ bench: models backend ## Run every benchmark (perf_analyzer; ~45 min) -> bench/r
 soak: models backend ## Soak both orchestrators (100 000 requests at concurrency 512; SOAK_ARGS) -> bench/results/soak.md; CHAOS=1: 20 min with bad inputs, cancels, short deadlines and stub kills -> chaos.md
 	$(PY) -m bench.$(if $(filter 1,$(CHAOS)),chaos,soak) $(SOAK_ARGS)
 
-$(addprefix bench-,$(BENCH_EXPERIMENTS)): bench-%: models backend ## (bench-orchestration, bench-fanout, ...) one experiment
+$(addprefix bench-,$(BENCH_EXPERIMENTS)): bench-%: models backend ## (bench-orchestration, bench-overhead, ...) one experiment
 	$(PY) -m bench --experiment $*
 
 bench-pb-calls: models backend ## What each pb_utils call costs in a stub, send vs return, calls per request -> bench/results/pb_calls.md

@@ -2,7 +2,7 @@
 benchmark experiments with the real perf_analyzer and the project's own clients.
 
     python -m bench                         # every experiment
-    python -m bench --experiment fanout     # one (or several) of them
+    python -m bench --experiment overhead   # one (or several) of them
     python -m bench --quick                 # seconds-long smoke run (used by the tests)
 """
 

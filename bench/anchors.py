@@ -1,14 +1,8 @@
-"""What the runtime is measured against, and the benchmark-only ways of orchestrating `pipeline`.
+"""What the runtime is measured against: ``pipeline_minimal`` (``bench/models/minimal.py``), the
+plainest per-batch BLS, the anchor of the overhead and orchestration experiments.
 
-* ``pipeline_minimal`` (``bench/models/minimal.py``): the plainest per-batch BLS, the anchor of
-  the overhead and orchestration experiments;
-* ``design_naive_<n>`` (``bench/models/naive.py``): Triton's BLS example pattern, an ``async def
-  execute`` awaiting ``async_exec`` per request;
-* ``pipeline_sequential``: the runtime with a run function that awaits the classifier, then the
-  embedder (the fan-out experiment's baseline).
-
-None of these is part of the production repository; ``write`` renders one into a benchmark or
-test repository with ``pipeline``'s contract and batching.
+It is not part of the production repository; ``write`` renders it into a benchmark or test
+repository with ``pipeline``'s contract and batching.
 """
 
 from __future__ import annotations
@@ -18,55 +12,22 @@ import statistics
 from pathlib import Path
 
 from bls_models import spec as S
-from bls_models.pipelines import softmax_top_k
 from modelgen import configs
 
 MODELS = Path(__file__).resolve().parent / "models"
 # ``profile.drive``'s warm-up and tail on smoke settings: seconds of waiting, no claims.
 QUICK_DRIVE = {"warmup": 0.5, "tail": 1.0}
 MINIMAL = MODELS / "minimal.py"
-NAIVE = MODELS / "naive.py"
 
 
-async def sequential_image_pipeline(inputs, call, setup):
-    """``pipeline``'s run function with its branches one after the other."""
-    pixels = (await call("preprocess", {S.IMAGE.name: inputs[S.IMAGE.name]},
-                         [S.PIXELS.name]))[S.PIXELS.name]
-    logits = (await call("classifier", {S.PIXELS.name: pixels},
-                         [S.CLASS_LOGITS.name]))[S.CLASS_LOGITS.name]
-    embedding = (await call("embedder", {S.PIXELS.name: pixels},
-                            [S.EMBEDDING.name]))[S.EMBEDDING.name]
-    ids, probs = softmax_top_k(logits)
-    return {S.CLASS_IDS.name: ids, S.CLASS_PROBS.name: probs, S.EMBEDDING.name: embedding}
-
-
-SEQUENTIAL = dataclasses.replace(S.PIPELINE_DEF, name="pipeline_sequential",
-                                 run="bench.anchors:sequential_image_pipeline")
-SEQUENTIAL_MODEL_PY = ('"""`pipeline` with its branches one after the other (bench only)."""\n\n'
-                       "from bench.anchors import SEQUENTIAL\n"
-                       "from bls_models.triton_runtime import python_model\n\n"
-                       "TritonPythonModel = python_model(SEQUENTIAL)\n")
-
-
-def like_pipeline(name: str, instances: int | None = None, **parameters: str) -> S.ModelSpec:
-    """``pipeline``'s contract, batching and parameters under ``name``."""
-    return dataclasses.replace(
-        S.PIPELINE, name=name, instance_count=instances or S.PIPELINE.instance_count,
-        parameters={**S.PIPELINE.parameters, **parameters})
-
-
-def write(target: Path, spec: S.ModelSpec, source: Path | str | None = None) -> None:
-    """``spec``'s config and model.py into ``target``: ``source`` (a file, or the text), or the
-    runtime's generated model.py for the pipeline ``spec`` orchestrates."""
+def write(target: Path, repository: Path) -> None:
+    """The anchor as ``pipeline_minimal`` in ``target``, with ``pipeline``'s contract, batching
+    and parameters, over the stage models of ``repository``."""
+    spec = dataclasses.replace(S.PIPELINE, name="pipeline_minimal", parameters={
+        **S.PIPELINE.parameters, "stage_model_repositories": str(repository)})
     (target / spec.name / "1").mkdir(parents=True)
     (target / spec.name / "config.pbtxt").write_text(configs.render(spec))
-    if source is None:
-        text = configs.model_py(spec.orchestrates)
-    elif isinstance(source, Path):
-        text = source.read_text()
-    else:
-        text = source
-    (target / spec.name / "1" / "model.py").write_text(text)
+    (target / spec.name / "1" / "model.py").write_text(MINIMAL.read_text())
 
 
 def write_minimal(target: Path, pipeline_config: Path) -> None:

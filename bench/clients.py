@@ -1,7 +1,7 @@
 """Load generators written in the project, for what perf_analyzer cannot do: the same pipeline
 in-process (the limit of this machine), the pipeline driven by the client (sub-models called
-directly), and synchronous vs asyncio clients at high concurrency. All are bounded in count and
-time and report the same numbers as perf_analyzer's rows."""
+directly), one model alone one request at a time. All are bounded in count and time and report
+the same numbers as perf_analyzer's rows."""
 
 from __future__ import annotations
 
@@ -159,83 +159,3 @@ async def client_pipeline(url: str, concurrency: int, count: int) -> Point:
         return point(concurrency, latencies, time.monotonic() - started)
     finally:
         await client.close()
-
-
-# -- synchronous (thread per request) vs asyncio clients ------------------------------------------
-def sync_clients(url: str, model: str, concurrency: int, count: int,
-                 deadline_s: float = 300) -> tuple[Point, int, int]:
-    """``concurrency`` threads making blocking calls on one shared gRPC client (a channel is
-    thread-safe), ``count`` requests in all, stopping by ``deadline_s`` at the latest.
-
-    Returns (point, errors, unanswered)."""
-    import tritonclient.grpc as grpcclient
-
-    image = nets.synthetic_images(1, seed=6).numpy()
-    latencies: list[float] = []
-    errors = 0
-    lock = threading.Lock()
-    remaining = iter(range(count))
-    stop_at = time.monotonic() + deadline_s
-
-    client = grpcclient.InferenceServerClient(url)
-
-    def worker():
-        nonlocal errors
-        while time.monotonic() < stop_at:
-            with lock:
-                if next(remaining, None) is None:
-                    return
-            t = grpcclient.InferInput("IMAGE", list(image.shape), "UINT8")
-            t.set_data_from_numpy(image)
-            started = time.monotonic()
-            try:
-                client.infer(model, [t], timeout=BUDGET_US, client_timeout=120)
-                with lock:
-                    latencies.append(time.monotonic() - started)
-            except Exception:  # noqa: BLE001 - counted
-                with lock:
-                    errors += 1
-
-    started = time.monotonic()
-    try:
-        with concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
-            for _ in range(concurrency):
-                pool.submit(worker)
-    finally:
-        client.close()
-    wall = time.monotonic() - started
-    return point(concurrency, latencies, wall), errors, count - len(latencies) - errors
-
-
-async def async_client(url: str, model: str, concurrency: int, count: int) -> tuple[Point, int, int]:
-    """One asyncio gRPC client with ``concurrency`` requests in flight. Returns (point, errors,
-    unanswered)."""
-    import tritonclient.grpc.aio as grpcaio
-
-    client = grpcaio.InferenceServerClient(url)
-    image = nets.synthetic_images(1, seed=6).numpy()
-    slots = asyncio.Semaphore(concurrency)
-    latencies: list[float] = []
-    errors = 0
-
-    async def one():
-        nonlocal errors
-        async with slots:
-            t = grpcaio.InferInput("IMAGE", list(image.shape), "UINT8")
-            t.set_data_from_numpy(image)
-            started = time.monotonic()
-            try:
-                await client.infer(model, [t], timeout=BUDGET_US, client_timeout=120)
-                latencies.append(time.monotonic() - started)
-            except Exception:  # noqa: BLE001 - counted
-                errors += 1
-
-    started = time.monotonic()
-    try:
-        await asyncio.gather(*(one() for _ in range(count)))
-    finally:
-        await client.close()
-    wall = time.monotonic() - started
-    return point(concurrency, latencies, wall), errors, count - len(latencies) - errors
-
-

@@ -8,16 +8,7 @@ here too, as the scripts and tests import them.
 
 from __future__ import annotations
 
-from bench import (
-                   control_flow,
-                   designs,
-                   fanout,
-                   large_output,
-                   orchestration,
-                   ort_options,
-                   overhead,
-                   saturation,
-)
+from bench import control_flow, orchestration, ort_options, overhead, saturation
 from bench.common import Context, Result
 from bench.repository import build_test_repository, build_variants
 
@@ -25,10 +16,6 @@ __all__ = ["EXPERIMENTS", "Context", "Result", "build_test_repository", "build_v
 
 EXPERIMENTS = {
     "orchestration": orchestration.orchestration,
-    "fanout": fanout.fanout,
-    "designs": designs.concurrency_designs,
-    "large_output": large_output.large_output,
-    "clients": saturation.client_styles,
     "overload": saturation.overload,
     "ort_options": ort_options.ort_options,
     "overhead": overhead.overhead,
