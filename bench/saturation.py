@@ -3,7 +3,7 @@ shedding variant sized to this host (`make bench-overload`)."""
 
 from __future__ import annotations
 
-from bench import clients
+from bench import perf
 from bench.common import Context, Result
 from bench.repository import SHEDDING_PIPELINE, variant_specs
 from bls_models import spec as S
@@ -43,8 +43,8 @@ def overload(ctx: Context) -> Result:
             refused = [a.seconds for a in answers if a.code and "queue" in a.message.lower()]
             late = [a for a in answers if a.code and "deadline exceeded" in a.message]
             other = len(answers) - len(ok) - len(refused) - len(late)
-            p = clients.point(clients_count, ok, wall)
-            r = clients.point(clients_count, refused, wall)
+            p = perf.point(clients_count, ok, wall)
+            r = perf.point(clients_count, refused, wall)
             result.add(name, p, errors=len(answers) - len(ok), refused=len(refused),
                        late=len(late), other_errors=other, refused_p50_ms=r.p50_ms,
                        refused_p99_ms=r.p99_ms, admits=_admission(spec))

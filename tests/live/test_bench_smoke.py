@@ -8,17 +8,19 @@ import json
 
 import pytest
 
-from bench import experiments, perf, report
+from bench import perf, report
+from bench.__main__ import EXPERIMENTS
+from bench.common import Context, Result
 
 
 @pytest.fixture(scope="module")
 def context(server, repository):
-    return experiments.Context(server, repository, perf.Settings(quick=True))
+    return Context(server, repository, perf.Settings(quick=True))
 
 
-@pytest.mark.parametrize("name", list(experiments.EXPERIMENTS))
+@pytest.mark.parametrize("name", list(EXPERIMENTS))
 def test_experiment_runs_and_writes_its_results(name, context, tmp_path):
-    result = experiments.EXPERIMENTS[name](context)
+    result = EXPERIMENTS[name](context)
     assert result.rows, result.summary
     failures = [line for line in result.summary if "perf_analyzer failed" in line]
     assert failures == []
@@ -37,7 +39,7 @@ def test_the_gpu_checks_overhead_step_runs_without_an_in_process_comparison(cont
     (bench/gpu_check.py, ``Check.perf``): the same code path, here on this server."""
     from bench import overhead
 
-    result = experiments.Result("overhead", "")
+    result = Result("overhead", "")
     overhead.measure(context, result, server, None, [1], seconds=1.0)
     variants = {row["variant"] for row in result.rows}
     assert "in-process onnxruntime" not in variants
