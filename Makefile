@@ -81,7 +81,7 @@ $(TUNE_STAMP): pyproject.toml $(STAMP)
 	$(TUNE_VENV)/bin/python -m pip install --quiet --disable-pip-version-check -e '.[tune]'
 	touch $@
 
-TUNE = $(PY) -m bench.tune $(foreach m,$(MODEL),--model $(m)) $(foreach c,$(COMPOSING),--composing $(c)) \
+TUNE = $(PY) -m ops.tune $(foreach m,$(MODEL),--model $(m)) $(foreach c,$(COMPOSING),--composing $(c)) \
 	    $(if $(BUDGET_MS),--budget-ms $(BUDGET_MS))
 ifeq ($(SERVE_PROFILE),portable)
 tune: models backend $(TUNE_STAMP) ## Triton Model Analyzer tunes instances and batching (MODEL=<name>: one model; COMPOSING=<your BLS>=<a,b>; BUDGET_MS; BLS_PROFILE=gpu on a GPU host) -> bench/results/tuning/
@@ -180,10 +180,10 @@ test-container: ## Run the test suite inside the test image against its own serv
 # host without a GPU it says so in one line and succeeds. GPU_CHECK_ARGS=--dry-run lists the steps.
 GPU_CHECK_ARGS   ?=
 gpu-check: ## On a GPU host: prove it works (every GPU profile, correctness, GPU tensors, engines, perf; <15 min)
-	@case " $(GPU_CHECK_ARGS) " in *" --dry-run "*) exec $(PYTHON) -m bench.gpu_check $(GPU_CHECK_ARGS);; esac; \
+	@case " $(GPU_CHECK_ARGS) " in *" --dry-run "*) exec $(PYTHON) -m ops.gpu_check $(GPU_CHECK_ARGS);; esac; \
 	$(PYTHON) -m tritonlocal.gpu probe --what "make gpu-check" || { [ $$? = 3 ] && exit 0; exit 1; }; \
 	$(MAKE) --no-print-directory models backend-gpu MODEL_SIZE=full GPU_RUNTIME=1 && \
-	$(PY) -m bench.gpu_check $(GPU_CHECK_ARGS)
+	$(PY) -m ops.gpu_check $(GPU_CHECK_ARGS)
 
 clean: ## Remove generated models, logs and caches (keeps .venv)
 	rm -rf .triton .pytest_cache $(MODEL_REPOSITORY)/*/[0-9]*/model.onnx $(MODEL_REPOSITORY)/.export-stamp.json

@@ -36,7 +36,7 @@ def test_experiment_runs_and_writes_its_results(name, context, tmp_path):
 
 def test_the_gpu_checks_overhead_step_runs_without_an_in_process_comparison(context, server):
     """`make gpu-check` runs the overhead experiment on the GPU's server with no in-process run
-    (bench/gpu_check.py, ``Check.perf``): the same code path, here on this server."""
+    (ops/gpu_check.py, ``Check.perf``): the same code path, here on this server."""
     from bench import overhead
 
     result = Result("overhead", "")

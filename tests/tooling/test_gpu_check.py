@@ -12,9 +12,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from bench import gpu_check as G
 from bench import report
 from modelgen import configs
+from ops import gpu_check as G
 from tests.helpers import path_without_nvidia_smi
 
 ROOT = Path(__file__).resolve().parents[2]
