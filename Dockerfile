@@ -21,7 +21,6 @@ COPY bls_models bls_models
 COPY modelgen modelgen
 COPY tritonlocal tritonlocal
 COPY bench bench
-COPY ops ops
 RUN pip install --index-url https://download.pytorch.org/whl/cpu torch==2.13.0 \
  && pip install '.[export]'
 COPY model_repository model_repository
@@ -44,6 +43,7 @@ COPY modelgen modelgen
 COPY tritonlocal tritonlocal
 COPY bench bench
 COPY ops ops
+COPY reliability reliability
 RUN python3 -m pip --version >/dev/null 2>&1 \
       || (apt-get update && apt-get install -y --no-install-recommends python3-pip \
           && rm -rf /var/lib/apt/lists/*) \

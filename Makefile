@@ -138,7 +138,7 @@ bench: models backend ## Run every benchmark (perf_analyzer; ~45 min) -> bench/r
 	$(PY) -m bench
 
 soak: models backend ## Soak both orchestrators (100 000 requests at concurrency 512; SOAK_ARGS) -> bench/results/soak.md; CHAOS=1: 20 min with bad inputs, cancels, short deadlines and stub kills -> chaos.md
-	$(PY) -m bench.$(if $(filter 1,$(CHAOS)),chaos,soak) $(SOAK_ARGS)
+	$(PY) -m reliability.$(if $(filter 1,$(CHAOS)),chaos,soak) $(SOAK_ARGS)
 
 $(addprefix bench-,$(BENCH_EXPERIMENTS)): bench-%: models backend ## (bench-orchestration, bench-overhead, ...) one experiment
 	$(PY) -m bench --experiment $*
@@ -147,10 +147,10 @@ bench-pb-calls: models backend ## What each pb_utils call costs in a stub, send 
 	$(PY) -m bench.pb_calls
 
 bench-recovery: models backend ## A pipeline stub SIGKILLed under mixed load, 5 runs: what each model pays -> bench/results/recovery.md
-	$(PY) -m bench.recovery
+	$(PY) -m reliability.recovery
 
 bench-poison-load: models backend ## One request in ten poisoned, 32 clients, 120 s: innocents failed, stubs' memory -> bench/results/poison_load.md
-	$(PY) -m bench.poison_load
+	$(PY) -m reliability.poison_load
 
 bench-ledger: $(STAMP) ## What each runtime mechanism costs a normal request, in-process -> bench/results/ledger.md
 	$(PY) -m bench.ledger

@@ -53,8 +53,8 @@ def test_a_signal_runs_the_clean_up_and_sets_the_exit_status(signum):
     assert f"stopped by {signum.name}" in err
 
 
-# Where the programs that start servers or run long live (benchmarks, operations).
-PROGRAMS = ("bench/*.py", "ops/*.py")
+# Where the programs that start servers or run long live (benchmarks, operations, reliability).
+PROGRAMS = ("bench/*.py", "ops/*.py", "reliability/*.py")
 
 
 def test_every_benchmark_program_runs_through_it():

@@ -1,8 +1,8 @@
-"""`python -m bench.recovery` (`make bench-recovery`): a python stub SIGKILLed under mixed load,
+"""`python -m reliability.recovery` (`make bench-recovery`): a python stub SIGKILLed under mixed load,
 and what it costs each model.
 
-    python -m bench.recovery                  # 5 runs, each on a server of its own
-    python -m bench.recovery --runs 1 --victim tag_pipeline
+    python -m reliability.recovery                  # 5 runs, each on a server of its own
+    python -m reliability.recovery --runs 1 --victim tag_pipeline
 
 Each run starts a server over the committed repository with the launcher's supervisor
 (``tritonlocal.launcher.Supervisor``: it reloads a model whose stub died, alone). Clients load
@@ -46,8 +46,8 @@ from pathlib import Path
 
 import numpy as np
 
-from bench import supervision
 from bls_models import spec as S
+from reliability import supervision
 from tritonlocal import launcher, procs
 from tritonlocal.load import Answer, closed_loop
 
@@ -235,7 +235,8 @@ def report(runs: list[Run], command: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.recovery", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m reliability.recovery",
+                                     description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--victim", default="pipeline", choices=("pipeline", "tag_pipeline"))
     parser.add_argument("--model-repository", type=Path, default=ROOT / "model_repository")
@@ -247,10 +248,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="do not wait for the replaced copy's stubs to be retired (up to "
                         "max_deadline_ms after the reload): smoke runs")
     args = parser.parse_args(argv)
-    command = "python -m bench.recovery " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = "python -m reliability.recovery " + " ".join(argv if argv is not None else sys.argv[1:])
     runs = []
     for index in range(args.runs):
-        with tempfile.TemporaryDirectory(prefix="bench-recovery-") as scratch:
+        with tempfile.TemporaryDirectory(prefix="recovery-") as scratch:
             options = launcher.on_free_ports(args.model_repository, Path(scratch) / "server.log",
                                              stop_grace=5.0)
             with launcher.TritonServer(options) as server:

@@ -1,4 +1,4 @@
-"""The chaos soak's accounting (``python -m bench.chaos``): what each request was and how it
+"""The chaos soak's accounting (``python -m reliability.chaos``): what each request was and how it
 ended (``Outcome``), each stub kill (``Kill``), and the run's totals and verdict (``Chaos``),
 which ``account`` fills in from the outcomes, the kills and the supervisor's events. Every
 request lands in exactly one place."""
@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from bench import memory, supervision
+from reliability import memory, supervision
 
 KINDS = ("good", "bad_dtype", "bad_tokens", "poison", "cancel", "short_deadline")
 BAD = ("bad_dtype", "bad_tokens", "poison")
@@ -137,7 +137,7 @@ class Chaos:
 
 def account(chaos: Chaos, outcomes: list[Outcome], kills: list[tuple[Kill, float]],  # noqa: C901 - one rule per outcome
             supervisor, started: float) -> None:
-    """Every outcome into its place (see bench/chaos.py's docstring), the kills with their
+    """Every outcome into its place (see reliability/chaos.py's docstring), the kills with their
     reloads (``supervisor``: a launcher.Supervisor), the memory trends."""
     events = list(supervisor.reloader.events)
     windows = []  # (model, kill time, until when a request may still meet the old copy, kill)
