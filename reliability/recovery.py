@@ -48,6 +48,7 @@ import numpy as np
 
 from bls_models import spec as S
 from reliability import supervision
+from reliability.accounting import Kill
 from tritonlocal import launcher, procs
 from tritonlocal.load import Answer, closed_loop
 
@@ -103,21 +104,26 @@ def http_loop(url: str, model: str, stop: threading.Event, deadline: float,
 
 @dataclass
 class Run:
+    """One run's figures (see the module's docstring), by what they are about."""
+
     victim: str
     victim_pid: int
     instance: str
+    # The reload, and the server after it.
     detected_s: float | None = None
     reloaded_s: float | None = None
-    answering_s: float | None = None
-    in_flight_failed: int = 0
-    in_flight_answered_s: float = 0.0
-    victim_requests: int = 0
-    victim_failed_after_kill: int = 0
-    others_requests: int = 0
-    others_failed: int = 0
     server_restarts: int = 0
     stubs_all_new: bool = False
     alive_after: bool = False
+    # The victim's requests: those in flight at the kill, then those sent after it.
+    in_flight_failed: int = 0
+    in_flight_answered_s: float = 0.0
+    answering_s: float | None = None
+    victim_failed_after_kill: int = 0
+    victim_requests: int = 0
+    # The other models' requests.
+    others_requests: int = 0
+    others_failed: int = 0
     failures: dict[str, dict[str, int]] = field(default_factory=dict)   # model -> code -> count
     events: list[str] = field(default_factory=list)
 
@@ -168,10 +174,9 @@ def kill_under_load(server: launcher.TritonServer, supervisor: launcher.Supervis
         for thread in threads:
             thread.join(max(deadline, others_deadline or 0) + 30)
     run.events = supervision.timeline(supervisor, killed_at, since=killed_at - 1)
-    began = supervision.reload_began(supervisor, victim, killed_at)
-    done = supervision.reloaded(supervisor, victim, killed_at)
-    run.detected_s = round(began - killed_at, 3) if began is not None else None
-    run.reloaded_s = round(done - killed_at, 3) if done is not None else None
+    kill = Kill(victim, victim_pid, at_s=before)
+    kill.follow(supervisor, killed_at)
+    run.detected_s, run.reloaded_s = kill.detected_s, kill.reloaded_s
     run.server_restarts = supervision.server_restarts(supervisor)
     mine = answers[victim]
     run.victim_requests = len(mine)
