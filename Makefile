@@ -153,7 +153,7 @@ bench-poison-load: models backend ## One request in ten poisoned, 32 clients, 12
 	$(PY) -m reliability.poison_load
 
 bench-ledger: $(STAMP) ## What each runtime mechanism costs a normal request, in-process -> bench/results/ledger.md
-	$(PY) -m bench.ledger
+	$(PY) -m tests.ledger
 
 docker-build: ## Build the NGC-based server image and its test image (Docker; no GPU needed)
 	docker build --target server -t $(IMAGE) .

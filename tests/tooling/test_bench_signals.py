@@ -53,12 +53,12 @@ def test_a_signal_runs_the_clean_up_and_sets_the_exit_status(signum):
     assert f"stopped by {signum.name}" in err
 
 
-# Where the programs that start servers or run long live (benchmarks, operations, reliability).
-PROGRAMS = ("bench/*.py", "ops/*.py", "reliability/*.py")
+# The programs that start servers or run long (benchmarks, operations, reliability, the ledger).
+PROGRAMS = ("bench/*.py", "ops/*.py", "reliability/*.py", "tests/ledger.py")
 
 
 def test_every_benchmark_program_runs_through_it():
-    """Each module of a program folder with a ``main`` runs it with ``run_as_program`` when
+    """Each module of ``PROGRAMS`` with a ``main`` runs it with ``run_as_program`` when
     started as a program (a test calling ``main`` installs no handler)."""
     missing = []
     for path in sorted(p for pattern in PROGRAMS for p in ROOT.glob(pattern)):
