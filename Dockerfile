@@ -42,6 +42,8 @@ COPY bls_models bls_models
 COPY modelgen modelgen
 COPY tritonlocal tritonlocal
 COPY bench bench
+COPY ops ops
+COPY reliability reliability
 RUN python3 -m pip --version >/dev/null 2>&1 \
       || (apt-get update && apt-get install -y --no-install-recommends python3-pip \
           && rm -rf /var/lib/apt/lists/*) \

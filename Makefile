@@ -54,7 +54,7 @@ STAMP  := $(VENV)/.installed
 
 .DEFAULT_GOAL := help
 .PHONY: tune help venv backend backend-gpu gpu-host models configs serve lint test test-unit bench bench-pb-calls bench-recovery bench-poison-load bench-ledger soak clean docker-build docker-run test-container gpu-check
-BENCH_EXPERIMENTS := ort_options orchestration overhead fanout designs large_output clients overload control_flow
+BENCH_EXPERIMENTS := ort_options orchestration overhead overload control_flow
 
 help: ## Show this help
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-15s %s\n", $$1, $$2}'
@@ -81,7 +81,7 @@ $(TUNE_STAMP): pyproject.toml $(STAMP)
 	$(TUNE_VENV)/bin/python -m pip install --quiet --disable-pip-version-check -e '.[tune]'
 	touch $@
 
-TUNE = $(PY) -m bench.tune $(foreach m,$(MODEL),--model $(m)) $(foreach c,$(COMPOSING),--composing $(c)) \
+TUNE = $(PY) -m ops.tune $(foreach m,$(MODEL),--model $(m)) $(foreach c,$(COMPOSING),--composing $(c)) \
 	    $(if $(BUDGET_MS),--budget-ms $(BUDGET_MS))
 ifeq ($(SERVE_PROFILE),portable)
 tune: models backend $(TUNE_STAMP) ## Triton Model Analyzer tunes instances and batching (MODEL=<name>: one model; COMPOSING=<your BLS>=<a,b>; BUDGET_MS; BLS_PROFILE=gpu on a GPU host) -> bench/results/tuning/
@@ -138,22 +138,22 @@ bench: models backend ## Run every benchmark (perf_analyzer; ~45 min) -> bench/r
 	$(PY) -m bench
 
 soak: models backend ## Soak both orchestrators (100 000 requests at concurrency 512; SOAK_ARGS) -> bench/results/soak.md; CHAOS=1: 20 min with bad inputs, cancels, short deadlines and stub kills -> chaos.md
-	$(PY) -m bench.$(if $(filter 1,$(CHAOS)),chaos,soak) $(SOAK_ARGS)
+	$(PY) -m reliability.$(if $(filter 1,$(CHAOS)),chaos,soak) $(SOAK_ARGS)
 
-$(addprefix bench-,$(BENCH_EXPERIMENTS)): bench-%: models backend ## (bench-orchestration, bench-fanout, ...) one experiment
+$(addprefix bench-,$(BENCH_EXPERIMENTS)): bench-%: models backend ## (bench-orchestration, bench-overhead, ...) one experiment
 	$(PY) -m bench --experiment $*
 
 bench-pb-calls: models backend ## What each pb_utils call costs in a stub, send vs return, calls per request -> bench/results/pb_calls.md
 	$(PY) -m bench.pb_calls
 
 bench-recovery: models backend ## A pipeline stub SIGKILLed under mixed load, 5 runs: what each model pays -> bench/results/recovery.md
-	$(PY) -m bench.recovery
+	$(PY) -m reliability.recovery
 
 bench-poison-load: models backend ## One request in ten poisoned, 32 clients, 120 s: innocents failed, stubs' memory -> bench/results/poison_load.md
-	$(PY) -m bench.poison_load
+	$(PY) -m reliability.poison_load
 
 bench-ledger: $(STAMP) ## What each runtime mechanism costs a normal request, in-process -> bench/results/ledger.md
-	$(PY) -m bench.ledger
+	$(PY) -m tests.ledger
 
 docker-build: ## Build the NGC-based server image and its test image (Docker; no GPU needed)
 	docker build --target server -t $(IMAGE) .
@@ -180,10 +180,10 @@ test-container: ## Run the test suite inside the test image against its own serv
 # host without a GPU it says so in one line and succeeds. GPU_CHECK_ARGS=--dry-run lists the steps.
 GPU_CHECK_ARGS   ?=
 gpu-check: ## On a GPU host: prove it works (every GPU profile, correctness, GPU tensors, engines, perf; <15 min)
-	@case " $(GPU_CHECK_ARGS) " in *" --dry-run "*) exec $(PYTHON) -m bench.gpu_check $(GPU_CHECK_ARGS);; esac; \
+	@case " $(GPU_CHECK_ARGS) " in *" --dry-run "*) exec $(PYTHON) -m ops.gpu_check $(GPU_CHECK_ARGS);; esac; \
 	$(PYTHON) -m tritonlocal.gpu probe --what "make gpu-check" || { [ $$? = 3 ] && exit 0; exit 1; }; \
 	$(MAKE) --no-print-directory models backend-gpu MODEL_SIZE=full GPU_RUNTIME=1 && \
-	$(PY) -m bench.gpu_check $(GPU_CHECK_ARGS)
+	$(PY) -m ops.gpu_check $(GPU_CHECK_ARGS)
 
 clean: ## Remove generated models, logs and caches (keeps .venv)
 	rm -rf .triton .pytest_cache $(MODEL_REPOSITORY)/*/[0-9]*/model.onnx $(MODEL_REPOSITORY)/.export-stamp.json

@@ -2,7 +2,7 @@
 benchmark experiments with the real perf_analyzer and the project's own clients.
 
     python -m bench                         # every experiment
-    python -m bench --experiment fanout     # one (or several) of them
+    python -m bench --experiment overhead   # one (or several) of them
     python -m bench --quick                 # seconds-long smoke run (used by the tests)
 """
 
@@ -14,21 +14,33 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench import experiments, perf, report
+from bench import control_flow, orchestration, ort_options, overhead, perf, report, saturation
+from bench.common import Context
+from bench.repository import build_variants
 from tritonlocal import TritonServer, on_free_ports
 
 ROOT = Path(__file__).resolve().parents[1]
+# The experiments by name: what `python -m bench --experiment NAME` (`make bench-NAME`) runs. Each
+# takes a ``Context`` and returns a ``Result`` (bench/common.py); each lives in the module of its
+# family.
+EXPERIMENTS = {
+    "orchestration": orchestration.orchestration,
+    "overload": saturation.overload,
+    "ort_options": ort_options.ort_options,
+    "overhead": overhead.overhead,
+    "control_flow": control_flow.control_flow,
+}
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
-    parser.add_argument("--experiment", action="append", choices=list(experiments.EXPERIMENTS),
+    parser.add_argument("--experiment", action="append", choices=list(EXPERIMENTS),
                         help="run only this experiment (repeatable; default: all)")
     parser.add_argument("--quick", action="store_true", help="smoke settings: seconds, no claims")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     parser.add_argument("--model-repository", type=Path, default=ROOT / "model_repository")
     args = parser.parse_args(argv)
-    names = args.experiment or list(experiments.EXPERIMENTS)
+    names = args.experiment or list(EXPERIMENTS)
     settings = perf.Settings(quick=args.quick)
     report.started()  # the commit being measured, before anything can change the tree
     if not perf.PERF_ANALYZER.exists():
@@ -38,18 +50,18 @@ def main(argv: list[str] | None = None) -> int:
     # must be explainable afterwards.
     log = ROOT / ".triton" / f"bench-tritonserver-{time.strftime('%Y%m%d-%H%M%S')}.log"
     with tempfile.TemporaryDirectory(prefix="bench-") as tmp:
-        extra = experiments.build_variants(Path(tmp) / "variants", args.model_repository)
+        extra = build_variants(Path(tmp) / "variants", args.model_repository)
         options = on_free_ports(args.model_repository, log,
                                 extra_args=[f"--model-repository={extra}"])
         with TritonServer(options) as server:
             version = server.metadata().get("version", "?")
-            context = experiments.Context(server, args.model_repository, settings)
+            context = Context(server, args.model_repository, settings)
             print(f"server log: {log}", flush=True)
             for name in names:
                 started = time.monotonic()
                 print(f"== {name} ...", flush=True)
                 try:
-                    result = experiments.EXPERIMENTS[name](context)
+                    result = EXPERIMENTS[name](context)
                 except Exception:
                     if not server.is_running():
                         print(f"tritonserver exited during '{name}' (code "

@@ -9,7 +9,7 @@ import asyncio
 
 import numpy as np
 
-from bench import anchors, clients, perf, profile
+from bench import anchors, perf, profile
 from bench.common import Context, Result, best_point, point_at, ratio_text, target_line
 from bls_models import spec as S
 from modelgen import nets
@@ -27,13 +27,13 @@ def orchestration(ctx: Context) -> Result:
     result = Result("orchestration", "Cost of orchestration: the same work five ways")
     levels = [1, 4] if ctx.quick else [1, 2, 4, 8, 16, 32, 64]
     url = ctx.server.grpc_url
-    local = clients.InProcess(ctx.repository)
+    local = anchors.InProcess(ctx.repository)
     image = nets.synthetic_images(1, seed=5).numpy()
     seconds = 1.0 if ctx.quick else 6.0
     inproc = [local.measure(lambda: local.pipeline(image), c, seconds) for c in levels]
     for p in inproc:
         result.add("in-process onnxruntime", p, protocol="none")
-    direct = [asyncio.run(clients.client_pipeline(url, c, 20 if ctx.quick else max(300, 30 * c)))
+    direct = [asyncio.run(anchors.client_pipeline(url, c, 20 if ctx.quick else max(300, 30 * c)))
               for c in levels]
     for p in direct:
         result.add("client calls sub-models", p)
@@ -119,7 +119,7 @@ def anchor_targets(ctx: Context, result: Result) -> list[str]:
     ]
 
 
-def cpu_accounting(ctx: Context, result: Result, local: clients.InProcess,
+def cpu_accounting(ctx: Context, result: Result, local: anchors.InProcess,
                    image: np.ndarray) -> list[str]:
     """Why the throughput ratios are what they are: with both cores busy, throughput is the
     cores divided by the CPU one request costs, summed over every process it touches."""

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench import anchors, clients, perf, profile
+from bench import anchors, perf, profile
 from bench.common import Context, Result, best_point, point_at, target_line
 from bench.perf import Point
 from bls_models import spec as S
@@ -76,7 +76,7 @@ def fast_repository(target: Path, repository: Path, size: str = SIZE) -> Path:
     return target
 
 
-def _in_process_stage(local: clients.InProcess, model: S.ModelSpec, count: int) -> Point:
+def _in_process_stage(local: anchors.InProcess, model: S.ModelSpec, count: int) -> Point:
     """One ONNX Runtime session, ``count`` calls one after another: the work of one hop."""
     (tensor,) = model.inputs
     data = nets.example_input(model, batch=1).numpy()
@@ -89,7 +89,33 @@ def _in_process_stage(local: clients.InProcess, model: S.ModelSpec, count: int) 
         sent = time.monotonic()
         session.run(None, {tensor.name: data})
         latencies.append(time.monotonic() - sent)
-    return clients.point(1, latencies, time.monotonic() - started)
+    return perf.point(1, latencies, time.monotonic() - started)
+
+
+def sequential_latency(url: str, model: str, inputs: dict[str, np.ndarray], count: int) -> Point:
+    """``count`` requests one after another (after a warm-up) on one gRPC client: concurrency 1,
+    with no stability criterion to miss (perf_analyzer's failed on the few-ms stages here)."""
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import np_to_triton_dtype
+
+    client = grpcclient.InferenceServerClient(url)
+    tensors = []
+    for name, data in inputs.items():
+        tensor = grpcclient.InferInput(name, list(data.shape), np_to_triton_dtype(data.dtype))
+        tensor.set_data_from_numpy(data)
+        tensors.append(tensor)
+    latencies = []
+    try:
+        for _ in range(min(20, count)):
+            client.infer(model, tensors)
+        started = time.monotonic()
+        for _ in range(count):
+            sent = time.monotonic()
+            client.infer(model, tensors)
+            latencies.append(time.monotonic() - sent)
+        return perf.point(1, latencies, time.monotonic() - started)
+    finally:
+        client.close()
 
 
 def overhead(ctx: Context) -> Result:
@@ -114,14 +140,14 @@ def measure(ctx, result, server: TritonServer, repository: Path | None, levels: 
     in-process comparison on this CPU; None on a GPU host (``make gpu-check``), where the models
     run on the GPU and an in-process CPU run compares nothing."""
     url = server.grpc_url
-    local = clients.InProcess(repository, models=STAGES) if repository else None
+    local = anchors.InProcess(repository, models=STAGES) if repository else None
     image = nets.synthetic_images(1, seed=5).numpy()
     inproc = ([local.measure(lambda: local.pipeline(image), c, seconds) for c in levels]
               if local else [])
     for p in inproc:
         result.add("in-process onnxruntime", p, protocol="none")
     count = (lambda c: 40) if ctx.quick else (lambda c: max(1000, 150 * c))
-    direct = [asyncio.run(clients.client_pipeline(url, c, count(c))) for c in levels]
+    direct = [asyncio.run(anchors.client_pipeline(url, c, count(c))) for c in levels]
     for p in direct:
         result.add("client calls sub-models", p)
     labels = {"in-process": "in-process ONNX Runtime", "direct": "client calls sub-models",
@@ -183,7 +209,7 @@ def measure(ctx, result, server: TritonServer, repository: Path | None, levels: 
                         "p50_c1_ms": {k: p.p50_ms for k, p in one.items() if p}})
 
 
-def hops(ctx, result, url: str, local: clients.InProcess | None, one: dict) -> list[str]:
+def hops(ctx, result, url: str, local: anchors.InProcess | None, one: dict) -> list[str]:
     """What one hop through Triton adds at concurrency 1: each stage model alone through Triton
     against its session in-process, and each way of orchestrating against in-process."""
     count = 40 if ctx.quick else HOP_REQUESTS
@@ -194,7 +220,7 @@ def hops(ctx, result, url: str, local: clients.InProcess | None, one: dict) -> l
     for model in STAGES:
         alone = _in_process_stage(local, model, count) if local else None
         (tensor,) = model.inputs
-        served = clients.sequential_latency(url, model.name, {
+        served = sequential_latency(url, model.name, {
             tensor.name: nets.example_input(model, batch=1).numpy()}, count)
         result.add(f"{model.name} alone, through Triton", served, scenario="hop")
         if alone is None:
@@ -222,7 +248,7 @@ def hops(ctx, result, url: str, local: clients.InProcess | None, one: dict) -> l
     return lines
 
 
-def cpu(ctx, result, server: TritonServer, local: clients.InProcess | None,
+def cpu(ctx, result, server: TritonServer, local: anchors.InProcess | None,
         image: np.ndarray) -> list[str]:
     """CPU per request of every process, each served way driven alone."""
     concurrency = 4 if ctx.quick else ACCOUNTING_CONCURRENCY

@@ -15,6 +15,8 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
+
 from tritonlocal.flags import REDACTED
 
 PERF_ANALYZER = Path(sys.executable).parent / "perf_analyzer"
@@ -60,6 +62,16 @@ class Point:
     server_queue_ms: float
     server_compute_ms: float
     client_send_recv_ms: float
+
+
+def point(concurrency: int, latencies: list[float], wall: float) -> Point:
+    """A row like perf_analyzer's from latencies (seconds) measured by the project's own load
+    generators over ``wall`` seconds; no server-side figures."""
+    ms = np.array(latencies) * 1e3 if latencies else np.array([np.nan])
+    return Point(concurrency=concurrency, throughput=len(latencies) / wall if wall else 0.0,
+                 p50_ms=float(np.percentile(ms, 50)), p90_ms=float(np.percentile(ms, 90)),
+                 p95_ms=float(np.percentile(ms, 95)), p99_ms=float(np.percentile(ms, 99)),
+                 server_queue_ms=0.0, server_compute_ms=0.0, client_send_recv_ms=0.0)
 
 
 @dataclass

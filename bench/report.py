@@ -11,8 +11,7 @@ import subprocess
 from datetime import datetime, timezone
 from pathlib import Path
 
-ORDER = ["orchestration", "fanout", "designs", "large_output", "clients", "overload",
-         "ort_options", "control_flow"]
+ORDER = ["orchestration", "overload", "ort_options", "control_flow"]
 
 
 def machine(gpu_build: bool = False) -> dict[str, str]:

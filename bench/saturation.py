@@ -1,53 +1,14 @@
-"""Far above capacity, `pipeline` over gRPC: synchronous against asyncio clients at up to 1 000
-in flight (`make bench-clients`), and closed-loop clients against the committed queue and a
+"""Far above capacity, `pipeline` over gRPC: closed-loop clients against the committed queue and a
 shedding variant sized to this host (`make bench-overload`)."""
 
 from __future__ import annotations
 
-import asyncio
-
-from bench import clients, perf
+from bench import perf
 from bench.common import Context, Result
-from bench.repository import LONG_DEADLINE_PIPELINE, SHEDDING_PIPELINE, variant_specs
+from bench.repository import SHEDDING_PIPELINE, variant_specs
 from bls_models import spec as S
 from modelgen import nets
 from tritonlocal import load
-
-
-def client_styles(ctx: Context) -> Result:
-    result = Result("clients", "Synchronous vs asyncio clients at high concurrency (`pipeline`, gRPC)")
-    levels = [10] if ctx.quick else [100, 500, 1000]
-    url = ctx.server.grpc_url
-    result.summary += ["| client | concurrency | requests | throughput (req/s) | p50 / p95 / p99 (ms) "
-                       "| errors | unanswered |", "|---|---|---|---|---|---|---|"]
-    for c in levels:
-        count = 2 * c
-        for label, measured in (
-            ("threads, blocking client", clients.sync_clients(url, "pipeline", c, count)),
-            ("asyncio client", asyncio.run(clients.async_client(url, "pipeline", c, count))),
-        ):
-            p, errors, unanswered = measured
-            result.add(label, p, errors=errors, unanswered=unanswered, requests=count)
-            result.summary.append(f"| {label} | {c} | {count} | {p.throughput:.0f} | {p.p50_ms:.0f} / "
-                                  f"{p.p95_ms:.0f} / {p.p99_ms:.0f} | {errors} | {unanswered} |")
-        # Windows of a fixed request count (2 x concurrency): with 1 000 in flight and
-        # latencies of seconds, 3 s time windows hold too few completions to settle.
-        windows = [] if ctx.quick else ["--measurement-mode", "count_windows",
-                                        "--measurement-request-count", str(2 * c),
-                                        "--stability-percentage", "50", "--max-trials", "5"]
-        run = perf.run(LONG_DEADLINE_PIPELINE, url, [c], ctx.settings,
-                       extra=["--async", *windows])
-        for p in result.add_run("perf_analyzer --async", run):
-            window = "(time windows)" if ctx.quick else f"(windows of {2 * c})"
-            result.summary.append(f"| perf_analyzer --async | {c} | {window} | {p.throughput:.0f} | "
-                                  f"{p.p50_ms:.0f} / {p.p95_ms:.0f} / {p.p99_ms:.0f} | 0 | 0 |")
-    result.summary.append("- A perf_analyzer row exists only for an error-free run: perf_analyzer stops at "
-                          "the first request error, and the report then says so above.")
-    result.summary.append(f"- perf_analyzer cannot set a request timeout, so it drives "
-                          f"`{LONG_DEADLINE_PIPELINE}` (`pipeline` with a 120 s default deadline): "
-                          "the same 120 s budget the project's clients give every request.")
-    result.plot = {"kind": "curve", "title": "Clients: throughput vs p95 latency"}
-    return result
 
 
 def _admission(spec: S.ModelSpec) -> int:
@@ -82,8 +43,8 @@ def overload(ctx: Context) -> Result:
             refused = [a.seconds for a in answers if a.code and "queue" in a.message.lower()]
             late = [a for a in answers if a.code and "deadline exceeded" in a.message]
             other = len(answers) - len(ok) - len(refused) - len(late)
-            p = clients.point(clients_count, ok, wall)
-            r = clients.point(clients_count, refused, wall)
+            p = perf.point(clients_count, ok, wall)
+            r = perf.point(clients_count, refused, wall)
             result.add(name, p, errors=len(answers) - len(ok), refused=len(refused),
                        late=len(late), other_errors=other, refused_p50_ms=r.p50_ms,
                        refused_p99_ms=r.p99_ms, admits=_admission(spec))

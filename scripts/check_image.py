@@ -33,8 +33,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 SERVER_MODULES = ("modelgen.profiles", "modelgen.configs", "tritonlocal.flags",
                   "tritonlocal.liveness", "tritonclient.grpc.model_config_pb2", "onnx")
-TEST_MODULES = ("bench.experiments", "modelgen.variants", "tritonlocal.launcher", "pytest",
-                "onnxruntime", "torch", "tritonclient.http", "tritonclient.grpc", "requests")
+TEST_MODULES = ("bench.repository", "ops.gpu_check", "reliability.accounting", "modelgen.variants",
+                "tritonlocal.launcher", "pytest", "onnxruntime", "torch", "tritonclient.http",
+                "tritonclient.grpc", "requests")
 # Run inside a stub only (they import triton_python_backend_utils at module level).
 STUB_ONLY = ("modelgen/fault_model.py", "modelgen/probe_model.py")
 

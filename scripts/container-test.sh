@@ -16,11 +16,11 @@ python3 - "$repo" "$fault" <<'PY'
 import sys
 from pathlib import Path
 
-from bench import experiments
+from bench.repository import build_test_repository
 
 real, target = Path(sys.argv[1]), Path(sys.argv[2])
 target.mkdir(parents=True)
-experiments.build_test_repository(target, real)
+build_test_repository(target, real)
 PY
 
 # The admin APIs restricted as container-serve.sh restricts them, to a credential of this run's

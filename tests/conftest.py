@@ -64,9 +64,9 @@ def fault_repository(repository, tmp_path_factory) -> Path:
     variants (so the benchmark smoke tests run against the same server)."""
     if EXTERNAL:
         return Path(os.environ["TRITON_EXTERNAL_FAULT_REPOSITORY"])
-    from bench import experiments
+    from bench.repository import build_test_repository
 
-    return experiments.build_test_repository(tmp_path_factory.mktemp("fault_repository"), repository)
+    return build_test_repository(tmp_path_factory.mktemp("fault_repository"), repository)
 
 
 @pytest.fixture(scope="session")

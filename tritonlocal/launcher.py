@@ -559,7 +559,7 @@ def assemble_backends(install: runtime.Installation, stub: Path, onnxruntime: Pa
                       target: Path, extra: dict[str, Path] | None = None) -> Path:
     """<target>/python (the wheel's python backend and the stub) and <target>/onnxruntime (a
     copy of the build, so a rebuild never changes what a running server loaded). Also the
-    backend directory Model Analyzer's server gets (bench/tune.py)."""
+    backend directory Model Analyzer's server gets (ops/tune.py)."""
     python_dir = target / "python"
     python_dir.mkdir(parents=True)
     for item in install.python_backend.iterdir():

@@ -8,17 +8,19 @@ import json
 
 import pytest
 
-from bench import experiments, perf, report
+from bench import perf, report
+from bench.__main__ import EXPERIMENTS
+from bench.common import Context, Result
 
 
 @pytest.fixture(scope="module")
 def context(server, repository):
-    return experiments.Context(server, repository, perf.Settings(quick=True))
+    return Context(server, repository, perf.Settings(quick=True))
 
 
-@pytest.mark.parametrize("name", list(experiments.EXPERIMENTS))
+@pytest.mark.parametrize("name", list(EXPERIMENTS))
 def test_experiment_runs_and_writes_its_results(name, context, tmp_path):
-    result = experiments.EXPERIMENTS[name](context)
+    result = EXPERIMENTS[name](context)
     assert result.rows, result.summary
     failures = [line for line in result.summary if "perf_analyzer failed" in line]
     assert failures == []
@@ -34,10 +36,10 @@ def test_experiment_runs_and_writes_its_results(name, context, tmp_path):
 
 def test_the_gpu_checks_overhead_step_runs_without_an_in_process_comparison(context, server):
     """`make gpu-check` runs the overhead experiment on the GPU's server with no in-process run
-    (bench/gpu_check.py, ``Check.perf``): the same code path, here on this server."""
+    (ops/gpu_check.py, ``Check.perf``): the same code path, here on this server."""
     from bench import overhead
 
-    result = experiments.Result("overhead", "")
+    result = Result("overhead", "")
     overhead.measure(context, result, server, None, [1], seconds=1.0)
     variants = {row["variant"] for row in result.rows}
     assert "in-process onnxruntime" not in variants
@@ -46,17 +48,3 @@ def test_the_gpu_checks_overhead_step_runs_without_an_in_process_comparison(cont
     assert not [line for line in result.summary if "perf_analyzer failed" in line]
     assert sum("(target " in line for line in result.summary) == 4, result.summary
 
-
-def test_the_recovery_benchmark_runs_and_writes_its_results(repository, tmp_path):
-    """`make bench-recovery` (bench/recovery.py) on one short run: a server of its own, a stub
-    killed, the CSV, JSON and markdown written with the run's figures."""
-    from bench import recovery
-
-    assert recovery.main(["--runs", "1", "--before-s", "2", "--after-s", "1", "--no-wait-retired",
-                          "--model-repository", str(repository), "--out", str(tmp_path)]) == 0
-    (row,) = list(csv.DictReader((tmp_path / "recovery.csv").open()))
-    assert row["victim"] == "pipeline" and float(row["reloaded_s"]) > 0
-    assert int(row["others_requests"]) > 0
-    (run,) = json.loads((tmp_path / "recovery.json").read_text())
-    assert any("reloaded: pipeline" in event for event in run["events"])
-    assert "| 1 |" in (tmp_path / "recovery.md").read_text()

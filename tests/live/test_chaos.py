@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 
-from bench import chaos
+from reliability import chaos
 from tests.helpers import server_options
 from tritonlocal import TritonServer
 from tritonlocal.launcher import Supervisor

@@ -33,8 +33,8 @@ import tritonclient.grpc.aio as grpcaio
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from bench.chaos_accounting import TRITON_QUEUE_TIMEOUT
 from bls_models import spec as S
+from reliability.accounting import TRITON_QUEUE_TIMEOUT
 from tests.helpers import (
     HARD_SLACK,
     STATUS,

@@ -141,11 +141,11 @@ def test_concurrent_pipeline_requests_each_get_their_own_answer(http_client, onn
 
 
 def test_gpu_checks_runtime_step_rehearsed_on_this_cpu_server(server, repository):
-    """`make gpu-check`'s runtime step (bench/gpu_check.py), run here: on this CPU server every
+    """`make gpu-check`'s runtime step (ops/gpu_check.py), run here: on this CPU server every
     check holds but the one only a GPU passes, PIXELS in GPU memory when no memory is named."""
     import tritonclient.grpc as grpcclient
 
-    from bench.gpu_check import Check
+    from ops.gpu_check import Check
 
     client = grpcclient.InferenceServerClient(server.grpc_url)
     check = Check.__new__(Check)

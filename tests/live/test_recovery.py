@@ -10,6 +10,7 @@ server is never disturbed."""
 
 from __future__ import annotations
 
+import csv
 import json
 import os
 import signal
@@ -23,9 +24,10 @@ from pathlib import Path
 import pytest
 import tritonclient.grpc as grpcclient
 
-from bench.chaos_accounting import owed_bound
-from bench.recovery import kill_under_load
 from bls_models import spec as S
+from reliability import recovery
+from reliability.accounting import owed_bound
+from reliability.recovery import kill_under_load
 from tests.helpers import PYTHON_MODEL, image, server_options, timed_infer
 from tritonlocal import TritonServer, procs, reload
 from tritonlocal.launcher import Supervisor
@@ -365,6 +367,19 @@ def test_make_serve_reloads_the_model_whose_stub_died(serve):
         launcher.send_signal(signal.SIGINT)
         launcher.wait(60)
     assert launcher.returncode == 0, "".join(lines)
+
+
+def test_the_recovery_benchmark_runs_and_writes_its_results(repository, tmp_path):
+    """`make bench-recovery` (reliability/recovery.py) on one short run: a server of its own, a stub
+    killed, the CSV, JSON and markdown written with the run's figures."""
+    assert recovery.main(["--runs", "1", "--before-s", "2", "--after-s", "1", "--no-wait-retired",
+                          "--model-repository", str(repository), "--out", str(tmp_path)]) == 0
+    (row,) = list(csv.DictReader((tmp_path / "recovery.csv").open()))
+    assert row["victim"] == "pipeline" and float(row["reloaded_s"]) > 0
+    assert int(row["others_requests"]) > 0
+    (run,) = json.loads((tmp_path / "recovery.json").read_text())
+    assert any("reloaded: pipeline" in event for event in run["events"])
+    assert "| 1 |" in (tmp_path / "recovery.md").read_text()
 
 
 def server_pid(launcher_pid: int) -> int:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
-from bench import soak
+from reliability import soak
 
 
 def test_a_short_soak_loses_nothing_and_answers_each_request_once(server, tmp_path):

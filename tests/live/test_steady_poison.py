@@ -1,7 +1,7 @@
 """A steady one-in-ten share of poisoned requests, 32 gRPC clients, the committed preprocess CNN
 and an embedder stage that fails its whole batch on one poisoned row (`pipeline_poison_embedder`,
 batching as the committed embedder does): every innocent request succeeds, every poisoned one
-is INVALID_ARG, and the orchestrator's stubs do not grow (bench/poison_load.py is the long
+is INVALID_ARG, and the orchestrator's stubs do not grow (reliability/poison_load.py is the long
 run; docs/reliability.md has its figures).
 
 The bound: the median of the last three samples of the stubs' private memory at most
@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import statistics
 
-from bench.poison_load import MODEL, Steady, steady
+from reliability.poison_load import MODEL, Steady, steady
 
 SECONDS = 30.0
 WARM_UP_S = 6.0

@@ -1,4 +1,4 @@
-"""`make tune`'s smoke test: Triton Model Analyzer, as `bench.tune` runs it, profiles a stage
+"""`make tune`'s smoke test: Triton Model Analyzer, as `ops.tune` runs it, profiles a stage
 model over a minimal space against the project's own tritonserver and backends, and writes the
 summary, the per-variant table and its own report."""
 
@@ -12,8 +12,8 @@ import sys
 
 import pytest
 
-from bench import tune
 from bls_models import spec as S
+from ops import tune
 
 MODEL = S.DIGITS_SMALL.name  # microseconds a row: the measurements take seconds
 
@@ -24,7 +24,7 @@ def tuned(tmp_path_factory):
         pytest.fail("Model Analyzer is not installed: `make test` installs it (.venv-tune)")
     out, raw = tmp_path_factory.mktemp("tuning"), tmp_path_factory.mktemp("raw")
     before = snapshot()
-    done = subprocess.run([sys.executable, "-m", "bench.tune", "--model", MODEL, "--smoke",
+    done = subprocess.run([sys.executable, "-m", "ops.tune", "--model", MODEL, "--smoke",
                            "--out", str(out), "--raw", str(raw)], cwd=tune.ROOT,
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -71,7 +71,7 @@ def test_a_stopped_run_takes_model_analyzers_server_with_it(tmp_path):
     """SIGTERM while Model Analyzer profiles: the run ends, and no tritonserver or
     perf_analyzer it started is left behind."""
     raw = tmp_path / "raw"
-    process = subprocess.Popen([sys.executable, "-m", "bench.tune", "--model", MODEL, "--smoke",
+    process = subprocess.Popen([sys.executable, "-m", "ops.tune", "--model", MODEL, "--smoke",
                                 "--out", str(tmp_path / "out"), "--raw", str(raw)],
                                cwd=tune.ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                text=True)

@@ -53,15 +53,19 @@ def test_a_signal_runs_the_clean_up_and_sets_the_exit_status(signum):
     assert f"stopped by {signum.name}" in err
 
 
+# The programs that start servers or run long (benchmarks, operations, reliability, the ledger).
+PROGRAMS = ("bench/*.py", "ops/*.py", "reliability/*.py", "tests/ledger.py")
+
+
 def test_every_benchmark_program_runs_through_it():
-    """Each bench module with a ``main`` runs it with ``run_as_program`` when started as a
-    program (a test calling ``main`` installs no handler)."""
+    """Each module of ``PROGRAMS`` with a ``main`` runs it with ``run_as_program`` when
+    started as a program (a test calling ``main`` installs no handler)."""
     missing = []
-    for path in sorted((ROOT / "bench").glob("*.py")):
+    for path in sorted(p for pattern in PROGRAMS for p in ROOT.glob(pattern)):
         tree = ast.parse(path.read_text())
         if not any(isinstance(n, ast.FunctionDef) and n.name == "main" for n in tree.body):
             continue
         guarded = [n for n in tree.body if isinstance(n, ast.If) and "__main__" in ast.unparse(n.test)]
         if not any("run_as_program(main)" in ast.unparse(n) for n in guarded):
-            missing.append(path.name)
+            missing.append(str(path.relative_to(ROOT)))
     assert missing == []

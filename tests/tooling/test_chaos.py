@@ -1,4 +1,4 @@
-"""The chaos soak's accounting (bench/chaos.py) on made-up outcomes: no server."""
+"""The chaos soak's accounting (reliability/chaos.py) on made-up outcomes: no server."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from bench import chaos
-from bench.chaos import Chaos, Kill, Outcome
+from reliability import chaos
+from reliability.chaos import Chaos, Kill, Outcome
 
 
 def supervisor(reloader_events, events=()):

@@ -745,12 +745,12 @@ def test_the_shm_sizes_satisfy_the_rule_for_what_each_container_serves(profile, 
     """`make test-container` serves the profile and the test-only models (scripts/container-test.sh);
     `make docker-run` and the Kubernetes pod the profile alone. An undersized /dev/shm is not
     noticed at start (regions are only ftruncate'd) but kills stubs with SIGBUS under a burst."""
-    from bench import experiments
+    from bench.repository import build_test_repository
     from tritonlocal import shm
 
     served = tmp_path / "served"
     profiles.write(profile, repository, served, cache=str(tmp_path / "cache"))
-    test_only = experiments.build_test_repository(tmp_path / "test_only", served)
+    test_only = build_test_repository(tmp_path / "test_only", served)
 
     in_test_container = shm.budget([served, test_only])
     assert in_test_container.stubs > 50  # the test-only models run in stubs too

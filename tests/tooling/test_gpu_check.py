@@ -12,9 +12,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from bench import gpu_check as G
 from bench import report
 from modelgen import configs
+from ops import gpu_check as G
 from tests.helpers import path_without_nvidia_smi
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -151,9 +151,9 @@ def test_the_gpu_tensors_baseline_is_pipeline_with_them_off(tmp_path):
 def test_the_report_names_the_gpu_and_the_command(tmp_path, monkeypatch):
     monkeypatch.setattr(report, "_STARTED", {})
     monkeypatch.setattr(report, "gpus", lambda: "driver 580.65.06; GPU 0: NVIDIA L4 (23034 MiB)")
-    from bench import experiments
+    from bench.common import Result
 
-    result = experiments.Result("gpu_check", "GPU check", rows=[{"profile": "gpu", "ok": True}],
+    result = Result("gpu_check", "GPU check", rows=[{"profile": "gpu", "ok": True}],
                                 summary=["- `gpu` start: ok"])
     report.write(result, tmp_path, "2.51.0", G._NoSettings())
     text = report.assemble(tmp_path, title="GPU check", generated_by="`make gpu-check`").read_text()

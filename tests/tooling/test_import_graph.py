@@ -7,7 +7,7 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("bls_models", "tritonlocal", "modelgen", "bench", "tests")
+PACKAGES = ("bls_models", "tritonlocal", "modelgen", "bench", "ops", "reliability", "tests")
 # bls_models' runtime (docs/orchestrator.md): triton_runtime wires the others, backend is the one
 # boundary to pb_utils, and drive, group, isolation and metrics run without either.
 RUNTIME = {f"bls_models.{name}" for name in ("triton_runtime", "backend", "drive", "group",

@@ -1,6 +1,6 @@
 """What `make tune` asks of Model Analyzer, without running it: the search spaces and settings
 of the CPU profile, and of the GPU profile (`BLS_PROFILE=gpu`, not executed here), as
-`python -m bench.tune --dry-run` writes them."""
+`python -m ops.tune --dry-run` writes them."""
 
 from __future__ import annotations
 
@@ -10,15 +10,15 @@ import sys
 import pytest
 import yaml
 
-from bench import tune
 from bls_models import spec as S
+from ops import tune
 
 
 @pytest.fixture(scope="module", params=["cpu", "gpu"])
 def written(request, tmp_path_factory):
     raw = tmp_path_factory.mktemp(f"tune-{request.param}")
     models = ["classifier", "pipeline", "pipeline_ensemble", "digits_cascade", "tag_pipeline"]
-    done = subprocess.run([sys.executable, "-m", "bench.tune", "--dry-run", "--profile",
+    done = subprocess.run([sys.executable, "-m", "ops.tune", "--dry-run", "--profile",
                            request.param, "--raw", str(raw), *(f"--model={m}" for m in models)],
                           cwd=tune.ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
@@ -83,7 +83,7 @@ def test_a_users_own_bls_model_is_profiled_with_the_models_it_calls(tmp_path):
                                     page_model_py())
     raw = tmp_path / "raw"
     composing = "preprocess,embedder,classifier"
-    done = subprocess.run([sys.executable, "-m", "bench.tune", "--dry-run", "--raw", str(raw),
+    done = subprocess.run([sys.executable, "-m", "ops.tune", "--dry-run", "--raw", str(raw),
                            "--repository", str(repository),
                            "--composing", f"{EXTENDING_NAME}={composing}"],
                           cwd=tune.ROOT, capture_output=True, text=True, timeout=300)

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from bench import tune
 from bls_models import spec as S
+from ops import tune
 
 RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results"
 SUMMARY = RESULTS / "tuning" / "summary.json"

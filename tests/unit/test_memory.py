@@ -1,7 +1,7 @@
 """Nothing a request leaves behind waits for Python's cycle collector.
 
 Under a steady share of poisoned requests the orchestrator's stubs grew by about 1.7 GB per
-10 000 requests (`python -m bench.poison_load`, before the fix): each failed group's sub-request
+10 000 requests (`python -m reliability.poison_load`, before the fix): each failed group's sub-request
 arrays (megabytes: PIXELS of 16 rows is 9.6 MB) sat in reference cycles — an exception whose
 traceback holds a frame that holds the exception, a batch and its groups holding each other —
 which only the cyclic garbage collector frees, and its full collections are rare. With a

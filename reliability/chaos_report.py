@@ -10,8 +10,8 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from bench import memory
-from bench.chaos_accounting import (
+from reliability import memory
+from reliability.accounting import (
     ANSWER_SLACK_S,
     KINDS,
     LATE_SHARE,

@@ -1,9 +1,9 @@
-"""`python -m bench.soak` (`make soak`): a long, bounded load on both orchestrators that accounts
+"""`python -m reliability.soak` (`make soak`): a long, bounded load on both orchestrators that accounts
 for every request, and watches the memory of every process while it runs.
 
-    python -m bench.soak                               # 100 000 requests at concurrency 512
-    python -m bench.soak --requests 5000 --concurrency 64
-    python -m bench.soak --url 127.0.0.1:8001          # against a server already running
+    python -m reliability.soak                               # 100 000 requests at concurrency 512
+    python -m reliability.soak --requests 5000 --concurrency 64
+    python -m reliability.soak --url 127.0.0.1:8001          # against a server already running
 
 One asyncio gRPC client sends ``--requests`` requests, alternating `pipeline` and
 `tag_pipeline`, with at most ``--concurrency`` in flight and a deadline of ``--budget-s`` each;
@@ -38,10 +38,10 @@ from pathlib import Path
 
 import numpy as np
 
-from bench import memory
 from bench.common import output_arguments
 from bls_models import spec as S
 from modelgen import nets
+from reliability import memory
 from tritonlocal import procs
 from tritonlocal.launcher import group_stubs
 
@@ -226,7 +226,7 @@ def report(soak: Soak, out: Path, command: str, raw: Path | None = None) -> Path
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.soak", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m reliability.soak", description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=100_000)
     parser.add_argument("--concurrency", type=int, default=512)
     parser.add_argument("--budget-s", type=float, default=120.0, help="deadline of each request")
@@ -235,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--http-url", help="its HTTP host:port (with --url; for Triton's counts)")
     output_arguments(parser, "where the whole record goes, memory samples included (git-ignored)")
     args = parser.parse_args(argv)
-    command = "python -m bench.soak " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = "python -m reliability.soak " + " ".join(argv if argv is not None else sys.argv[1:])
 
     def go(grpc_url: str, http_url: str, pid: int | None) -> Soak:
         return asyncio.run(run(grpc_url, http_url, pid, args.requests, args.concurrency,

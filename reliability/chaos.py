@@ -1,10 +1,10 @@
-"""`python -m bench.chaos` (`make soak CHAOS=1`): the soak with faults thrown in — bad inputs,
+"""`python -m reliability.chaos` (`make soak CHAOS=1`): the soak with faults thrown in — bad inputs,
 cancelled calls, deadlines too short to meet, an orchestrator stub SIGKILLed every 90 s — and an
 account of every request (docs/reliability.md, "Chaos soak").
 
-    python -m bench.chaos                          # 20 minutes at concurrency 256
-    python -m bench.chaos --quick                  # ~60 s, one kill (a smoke run)
-    python -m bench.chaos --seconds 300 --kill-every 60 --seed 7
+    python -m reliability.chaos                          # 20 minutes at concurrency 256
+    python -m reliability.chaos --quick                  # ~60 s, one kill (a smoke run)
+    python -m reliability.chaos --seconds 300 --kill-every 60 --seed 7
 
 Its own server serves the committed repository and the test-only models
 (``bench.repository.build_test_repository``), watched by the launcher's ``Supervisor``.
@@ -12,7 +12,7 @@ Closed-loop clients (a quarter over HTTP) send `pipeline` and `tag_pipeline` req
 (``draw``, seeded) as 5 % bad input, 5 % cancelled, 5 % a deadline too short to meet, the rest
 innocent; every request carries a unique id and a deadline.
 
-Guarantees, each checked in the verdict (``Chaos.clean``, bench/chaos_accounting.py): every
+Guarantees, each checked in the verdict (``Chaos.clean``, reliability/accounting.py): every
 request is accounted for exactly once (0 lost, duplicated or mismatched, apart from the requests
 a kill strands: owed past ``execute``, at most ``max_owed_answers`` per killed instance);
 innocent requests fail only in flight at a kill; bad inputs are
@@ -24,7 +24,7 @@ tensors) send for ``INGEST_S`` to models that answer at once (``echo_image``, ``
 python models with each family's input, written beside the test repository). The p99 of what
 they wait there, per protocol and family, is what sending, reading and Triton's front end take
 with no model in the way; lateness is counted beyond it. It writes chaos.{json,csv,png,md} into ``--out``
-(bench/chaos_report.py), every request's outcome into ``--raw`` (git-ignored), and exits
+(reliability/chaos_report.py), every request's outcome into ``--raw`` (git-ignored), and exits
 non-zero unless the run was clean.
 """
 
@@ -43,12 +43,12 @@ from pathlib import Path
 
 import numpy as np
 
-from bench import supervision
-from bench.chaos_accounting import BAD, KINDS, Chaos, Kill, Outcome, account
-from bench.chaos_report import report, shown
 from bench.common import output_arguments
 from bls_models import spec as S
 from modelgen import poison
+from reliability import supervision
+from reliability.accounting import BAD, KINDS, Chaos, Kill, Outcome, account
+from reliability.chaos_report import report, shown
 from tritonlocal import launcher, procs
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -122,7 +122,7 @@ def draw(rng: np.random.Generator, family: str, inputs: Inputs, deadline_s: floa
 
 
 # -- the client's own ingest ------------------------------------------------------------------
-ECHO_MODEL_PY = '''"""Answers every request at once (bench.chaos: the client's own ingest)."""
+ECHO_MODEL_PY = '''"""Answers every request at once (reliability.chaos: the client's own ingest)."""
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
@@ -375,7 +375,7 @@ async def run(server: launcher.TritonServer, supervisor: launcher.Supervisor, se
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.chaos",
+    parser = argparse.ArgumentParser(prog="python -m reliability.chaos",
                                      description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, help="how long the load runs (1200; --quick: 60)")
     parser.add_argument("--quick", action="store_true",
@@ -394,7 +394,7 @@ def main(argv: list[str] | None = None) -> int:
                              "poisoned images are ~5.6 %% of its requests; 0.1: 23 %%, 5x fewer)")
     output_arguments(parser, "where every request's outcome goes (git-ignored)")
     args = parser.parse_args(argv)
-    command = "python -m bench.chaos " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = "python -m reliability.chaos " + " ".join(argv if argv is not None else sys.argv[1:])
     seconds = args.seconds or (60.0 if args.quick else 1200.0)
     kill_every = args.kill_every or (60.0 if args.quick else 90.0)
 
@@ -402,7 +402,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # The server's log is kept (.triton/, git-ignored) to explain a run that was not clean.
     log = ROOT / ".triton" / f"chaos-tritonserver-{time.strftime('%Y%m%d-%H%M%S')}.log"
-    with tempfile.TemporaryDirectory(prefix="bench-chaos-") as scratch:
+    with tempfile.TemporaryDirectory(prefix="chaos-") as scratch:
         variants = repository.build_test_repository(Path(scratch) / "variants",
                                                      args.model_repository)
         echo = write_echo_models(Path(scratch) / "echo")

@@ -1,7 +1,8 @@
-"""The chaos soak's accounting (``python -m bench.chaos``): what each request was and how it
-ended (``Outcome``), each stub kill (``Kill``), and the run's totals and verdict (``Chaos``),
-which ``account`` fills in from the outcomes, the kills and the supervisor's events. Every
-request lands in exactly one place."""
+"""The accounting of runs that kill stubs: what each request was and how it ended (``Outcome``),
+each stub kill and the reload it set off (``Kill``, also the recovery run's: reliability/recovery.py),
+and the chaos soak's totals and verdict (``Chaos``, ``python -m reliability.chaos``), which
+``account`` fills in from the outcomes, the kills and the supervisor's events. Every request lands
+in exactly one place."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from bench import memory, supervision
+from reliability import memory, supervision
 
 KINDS = ("good", "bad_dtype", "bad_tokens", "poison", "cancel", "short_deadline")
 BAD = ("bad_dtype", "bad_tokens", "poison")
@@ -73,6 +74,17 @@ class Kill:
     in_flight: int = 0                    # requests to the model in flight at the kill
     orphans: int = 0
     innocent_failed: int = 0              # innocent requests that failed "in flight at a kill"
+
+    def follow(self, supervisor, at: float) -> float | None:
+        """The reload this kill (at ``at``, monotonic) set off, from the events of ``supervisor``
+        (a launcher.Supervisor): ``detected_s``, ``reloaded_s``, ``reload_s``. Returns when the
+        new copy served (None: it did not)."""
+        begun = supervision.reload_began(supervisor, self.model, at)
+        done = supervision.reloaded(supervisor, self.model, at)
+        self.detected_s = round(begun - at, 3) if begun else None
+        self.reloaded_s = round(done - at, 3) if done else None
+        self.reload_s = round(done - begun, 3) if begun and done else None
+        return done
 
 
 @dataclass
@@ -137,16 +149,12 @@ class Chaos:
 
 def account(chaos: Chaos, outcomes: list[Outcome], kills: list[tuple[Kill, float]],  # noqa: C901 - one rule per outcome
             supervisor, started: float) -> None:
-    """Every outcome into its place (see bench/chaos.py's docstring), the kills with their
+    """Every outcome into its place (see reliability/chaos.py's docstring), the kills with their
     reloads (``supervisor``: a launcher.Supervisor), the memory trends."""
     events = list(supervisor.reloader.events)
     windows = []  # (model, kill time, until when a request may still meet the old copy, kill)
     for kill, at in kills:
-        begun = supervision.reload_began(supervisor, kill.model, at)
-        done = supervision.reloaded(supervisor, kill.model, at)
-        kill.detected_s = round(begun - at, 3) if begun else None
-        kill.reloaded_s = round(done - at, 3) if done else None
-        kill.reload_s = round(done - begun, 3) if begun and done else None
+        done = kill.follow(supervisor, at)
         windows.append((kill.model, at, (done + AFTER_RELOAD_S) if done else float("inf"), kill))
     chaos.kills = [kill for kill, _ in kills]
     chaos.reloads = sum(1 for _, what in events if what.startswith("reloaded: "))

@@ -1,8 +1,9 @@
-"""`python -m bench.ledger` (`make bench-ledger`): what each runtime mechanism costs a normal
+"""`python -m tests.ledger` (`make bench-ledger`): what each runtime mechanism costs a normal
 request, measured in-process (docs/orchestrator.md, "The ledger").
 
 The orchestrator runs `pipeline` over a lean stand-in for pb_utils whose sub-models answer at
-once: what is left is the runtime's own Python. Each mechanism on the normal path is then turned
+once (the unit tests' fake's plain tensors, responses and errors, with none of its accounting):
+what is left is the runtime's own Python. Each mechanism on the normal path is then turned
 off (replaced by what the plainest per-batch BLS does in its place) and the CPU per request
 measured again, rounds interleaved; its cost is the difference. Off the normal path (isolation,
 the memo's use, cancellation, the deadline answers) a mechanism costs nothing until it engages:
@@ -26,52 +27,14 @@ from unittest import mock
 import numpy as np
 
 from bench.common import output_arguments
-from bench.mutations import plain_wait
+from tests.mutations import plain_wait
+from tests.unit import fake_pb_utils as fake
 
 ROUNDS = 7
 BATCHES = 1500
 
 
 # -- a lean pb_utils: no accounting, sub-models answer at once -----------------------------------
-class _Error:
-    UNKNOWN, INTERNAL, NOT_FOUND, INVALID_ARG, UNAVAILABLE, UNSUPPORTED, ALREADY_EXISTS, \
-        CANCELLED = range(8)
-
-    def __init__(self, message, code=1):
-        self._message, self._code = message, code
-
-    def message(self):
-        return self._message
-
-    def code(self):
-        return self._code
-
-
-class _Tensor:
-    def __init__(self, name, array):
-        self._name, self._array = name, array
-
-    def name(self):
-        return self._name
-
-    def as_numpy(self):
-        return self._array
-
-    def is_cpu(self):
-        return True
-
-
-class _Response:
-    def __init__(self, output_tensors=(), error=None):
-        self.tensors, self._error = output_tensors, error
-
-    def has_error(self):
-        return self._error is not None
-
-    def error(self):
-        return self._error
-
-
 class _Request:
     def __init__(self, image, request_id):
         self.image, self.id = image, request_id
@@ -91,7 +54,7 @@ class _Request:
 
 class LeanPbUtils:
     TRITONSERVER_RESPONSE_COMPLETE_FINAL, TRITONSERVER_MEMORY_CPU = 1, 0
-    TritonError, Tensor, InferenceResponse = _Error, _Tensor, _Response
+    TritonError, Tensor, InferenceResponse = fake.TritonError, fake.Tensor, fake.InferenceResponse
 
     def __init__(self, rows: int = 16):
         pixels = np.zeros((rows, 3, 224, 224), np.float32)
@@ -107,7 +70,7 @@ class LeanPbUtils:
 
             def exec(self):
                 values = answers[self.model](self.rows)
-                return _Response([_Tensor(n, values[n]) for n in self.outputs])
+                return fake.InferenceResponse([fake.Tensor(n, values[n]) for n in self.outputs])
 
         class Family:
             COUNTER = GAUGE = HISTOGRAM = 0
@@ -129,11 +92,11 @@ class LeanPbUtils:
 
     @staticmethod
     def get_input_tensor_by_name(request, name):
-        return _Tensor(name, request.image) if name == "IMAGE" else None
+        return fake.Tensor(name, request.image) if name == "IMAGE" else None
 
     @staticmethod
     def get_output_tensor_by_name(response, name):
-        return next((t for t in response.tensors if t.name() == name), None)
+        return next((t for t in response.output_tensors if t.name() == name), None)
 
 
 # -- the mechanisms, and what the plainest BLS does in their place ------------------------------
@@ -199,21 +162,21 @@ def measure(rows: int, rounds: int, batches: int) -> dict[str, list[float]]:
 
 
 def mutations(out: Path) -> list[str]:
-    """Each mechanism of bench/mutations.py turned off, its named tests run: whether they fail
+    """Each mechanism of tests/mutations.py turned off, its named tests run: whether they fail
     (they must). Writes ledger-mutations.json; returns the report's lines."""
     import os
     import subprocess
 
-    from bench.mutations import MUTATIONS
+    from tests.mutations import MUTATIONS
 
     root = Path(__file__).resolve().parents[1]
-    lines = ["", "Each mechanism turned off (`bench/mutations.py`), the tests the ledger names "
-                 "run alone (`-p bench.mutations`):", "",
+    lines = ["", "Each mechanism turned off (`tests/mutations.py`), the tests the ledger names "
+                 "run alone (`-p tests.mutations`):", "",
              "| mechanism turned off | tests | without it |", "|---|---|---|"]
     found = {}
     for name, (what, tests, _) in MUTATIONS.items():
         run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:randomly",
-                              "-p", "bench.mutations", "-x", *tests], cwd=root,
+                              "-p", "tests.mutations", "-x", *tests], cwd=root,
                              env={**os.environ, "BLS_MUTATION": name},
                              capture_output=True, text=True)
         failed = run.returncode != 0
@@ -228,7 +191,7 @@ def mutations(out: Path) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.ledger",
+    parser = argparse.ArgumentParser(prog="python -m tests.ledger",
                                      description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=ROUNDS)
     parser.add_argument("--batches", type=int, default=BATCHES)
@@ -240,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
         lines = mutations(args.out)
         (args.out / "ledger-mutations.md").write_text("\n".join(lines) + "\n")
         return 0
-    command = "python -m bench.ledger " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = "python -m tests.ledger " + " ".join(argv if argv is not None else sys.argv[1:])
     results = {}
     lines = ["# What each runtime mechanism costs a normal request", "",
              f"`{command.strip()}` — {time.strftime('%Y-%m-%d %H:%M')}: CPU per request of the "

@@ -1,6 +1,6 @@
 """Each runtime mechanism turned off, for the ledger (docs/orchestrator.md): the test the ledger
-names for a mechanism must fail without it. ``python -m bench.ledger --mutations`` runs each
-named test in a pytest of its own with this module as a plugin (``-p bench.mutations``) and
+names for a mechanism must fail without it. ``python -m tests.ledger --mutations`` runs each
+named test in a pytest of its own with this module as a plugin (``-p tests.mutations``) and
 ``BLS_MUTATION`` naming the mechanism to turn off; it records whether the test failed.
 
 Each entry: (what it turns off, the tests that must fail without it, how to turn it off).

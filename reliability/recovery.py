@@ -1,8 +1,8 @@
-"""`python -m bench.recovery` (`make bench-recovery`): a python stub SIGKILLed under mixed load,
+"""`python -m reliability.recovery` (`make bench-recovery`): a python stub SIGKILLed under mixed load,
 and what it costs each model.
 
-    python -m bench.recovery                  # 5 runs, each on a server of its own
-    python -m bench.recovery --runs 1 --victim tag_pipeline
+    python -m reliability.recovery                  # 5 runs, each on a server of its own
+    python -m reliability.recovery --runs 1 --victim tag_pipeline
 
 Each run starts a server over the committed repository with the launcher's supervisor
 (``tritonlocal.launcher.Supervisor``: it reloads a model whose stub died, alone). Clients load
@@ -46,8 +46,9 @@ from pathlib import Path
 
 import numpy as np
 
-from bench import supervision
 from bls_models import spec as S
+from reliability import supervision
+from reliability.accounting import Kill
 from tritonlocal import launcher, procs
 from tritonlocal.load import Answer, closed_loop
 
@@ -103,21 +104,26 @@ def http_loop(url: str, model: str, stop: threading.Event, deadline: float,
 
 @dataclass
 class Run:
+    """One run's figures (see the module's docstring), by what they are about."""
+
     victim: str
     victim_pid: int
     instance: str
+    # The reload, and the server after it.
     detected_s: float | None = None
     reloaded_s: float | None = None
-    answering_s: float | None = None
-    in_flight_failed: int = 0
-    in_flight_answered_s: float = 0.0
-    victim_requests: int = 0
-    victim_failed_after_kill: int = 0
-    others_requests: int = 0
-    others_failed: int = 0
     server_restarts: int = 0
     stubs_all_new: bool = False
     alive_after: bool = False
+    # The victim's requests: those in flight at the kill, then those sent after it.
+    in_flight_failed: int = 0
+    in_flight_answered_s: float = 0.0
+    answering_s: float | None = None
+    victim_failed_after_kill: int = 0
+    victim_requests: int = 0
+    # The other models' requests.
+    others_requests: int = 0
+    others_failed: int = 0
     failures: dict[str, dict[str, int]] = field(default_factory=dict)   # model -> code -> count
     events: list[str] = field(default_factory=list)
 
@@ -168,10 +174,9 @@ def kill_under_load(server: launcher.TritonServer, supervisor: launcher.Supervis
         for thread in threads:
             thread.join(max(deadline, others_deadline or 0) + 30)
     run.events = supervision.timeline(supervisor, killed_at, since=killed_at - 1)
-    began = supervision.reload_began(supervisor, victim, killed_at)
-    done = supervision.reloaded(supervisor, victim, killed_at)
-    run.detected_s = round(began - killed_at, 3) if began is not None else None
-    run.reloaded_s = round(done - killed_at, 3) if done is not None else None
+    kill = Kill(victim, victim_pid, at_s=before)
+    kill.follow(supervisor, killed_at)
+    run.detected_s, run.reloaded_s = kill.detected_s, kill.reloaded_s
     run.server_restarts = supervision.server_restarts(supervisor)
     mine = answers[victim]
     run.victim_requests = len(mine)
@@ -235,7 +240,8 @@ def report(runs: list[Run], command: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.recovery", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m reliability.recovery",
+                                     description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--victim", default="pipeline", choices=("pipeline", "tag_pipeline"))
     parser.add_argument("--model-repository", type=Path, default=ROOT / "model_repository")
@@ -247,10 +253,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="do not wait for the replaced copy's stubs to be retired (up to "
                         "max_deadline_ms after the reload): smoke runs")
     args = parser.parse_args(argv)
-    command = "python -m bench.recovery " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = "python -m reliability.recovery " + " ".join(argv if argv is not None else sys.argv[1:])
     runs = []
     for index in range(args.runs):
-        with tempfile.TemporaryDirectory(prefix="bench-recovery-") as scratch:
+        with tempfile.TemporaryDirectory(prefix="recovery-") as scratch:
             options = launcher.on_free_ports(args.model_repository, Path(scratch) / "server.log",
                                              stop_grace=5.0)
             with launcher.TritonServer(options) as server:

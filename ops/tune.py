@@ -499,7 +499,7 @@ def main(argv: list[str] | None = None) -> int:
 
     meta = {"when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "commit": started()["commit"], "profile": args.profile, "smoke": args.smoke,
-            "command": "python -m bench.tune " + " ".join(argv if argv is not None
+            "command": "python -m ops.tune " + " ".join(argv if argv is not None
                                                          else sys.argv[1:])}
     results, failed = {}, []
     for model in models:

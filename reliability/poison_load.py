@@ -1,4 +1,4 @@
-"""`python -m bench.poison_load` (`make bench-poison-load`): a steady share of bad requests.
+"""`python -m reliability.poison_load` (`make bench-poison-load`): a steady share of bad requests.
 
 Closed-loop gRPC clients send `pipeline_poison_embedder` requests (`pipeline` whose embedder
 stage is a model that fails its whole batch when one row is poisoned: modelgen/poison.py),
@@ -6,10 +6,10 @@ asking for EMBEDDING, one in ten poisoned; the orchestrator must find the bad ro
 (bls_models/isolation.py) so that every innocent request succeeds, while its stubs' memory
 stays flat. Measured: innocents failed, bad requests answered otherwise than INVALID_ARG,
 throughput, latency, and the stubs' private memory (RssAnon) per 10 000 requests after the
-first tenth of the run (bench/memory.py). Writes poison_load.{json,csv,md,png}.
+first tenth of the run (reliability/memory.py). Writes poison_load.{json,csv,md,png}.
 
-    python -m bench.poison_load                     # 120 s, 32 clients, one in ten poisoned
-    python -m bench.poison_load --seconds 30 --share 0.2
+    python -m reliability.poison_load                     # 120 s, 32 clients, one in ten poisoned
+    python -m reliability.poison_load --seconds 30 --share 0.2
 """
 
 from __future__ import annotations
@@ -25,10 +25,10 @@ from pathlib import Path
 
 import numpy as np
 
-from bench import memory
 from bench.common import output_arguments
 from bls_models import spec as S
 from modelgen import poison
+from reliability import memory
 from tritonlocal import launcher, procs
 
 MODEL = "pipeline_poison_embedder"
@@ -171,7 +171,7 @@ def report(result: Steady, out: Path, command: str) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.poison_load",
+    parser = argparse.ArgumentParser(prog="python -m reliability.poison_load",
                                      description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=120.0)
     parser.add_argument("--clients", type=int, default=32)
@@ -181,11 +181,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="comma-separated outputs to ask for (EMBEDDING)")
     output_arguments(parser, "unused")
     args = parser.parse_args(argv)
-    command = "python -m bench.poison_load " + " ".join(
+    command = "python -m reliability.poison_load " + " ".join(
         argv if argv is not None else sys.argv[1:])
     from bench import repository
 
-    with tempfile.TemporaryDirectory(prefix="bench-poison-") as scratch:
+    with tempfile.TemporaryDirectory(prefix="poison-load-") as scratch:
         variants = repository.build_test_repository(Path(scratch) / "variants",
                                                      args.model_repository)
         log = Path(scratch) / "tritonserver.log"
