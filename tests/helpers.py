@@ -99,6 +99,13 @@ def orchestrator(pb: FakePbUtils, model: str = "pipeline", pipeline=None,
     return made
 
 
+def orchestrator_in_execute(pb: FakePbUtils, *args, **parameters: str) -> Orchestrator:
+    """``orchestrator`` with nothing owed past ``execute`` (``max_owed_answers`` 0): for tests
+    that read what a batch did once ``execute`` returned; owed answers are
+    tests/unit/test_owed.py's."""
+    return orchestrator(pb, *args, **{"max_owed_answers": "0", **parameters})
+
+
 def delay_for(request, model: str) -> float:
     """Seconds a fake sub-model sleeps: the request id may carry ``<model>=<seconds>`` (a
     group's ids are joined by commas: the longest applies)."""

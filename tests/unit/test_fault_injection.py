@@ -31,14 +31,9 @@ import pytest
 
 from tests import helpers
 from tests.helpers import SLACK, counted
+from tests.helpers import orchestrator_in_execute as orchestrator
 from tests.unit.fake_pb_utils import FakePbUtils, Request
 from tests.unit.row_models import POISON, DirectedRowModels, code_of, expect_exact, image_of
-
-
-def orchestrator(pb, *args, **parameters):
-    """The committed orchestrator with nothing owed past ``execute`` (``max_owed_answers`` 0):
-    these tests hold its in-``execute`` answers; owed ones are tests/unit/test_owed.py's."""
-    return helpers.orchestrator(pb, *args, **{"max_owed_answers": "0", **parameters})
 
 DEFAULT_DEADLINE = 2.0
 

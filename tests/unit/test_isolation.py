@@ -12,7 +12,8 @@ import pytest
 from bls_models import spec as S
 from bls_models.errors import InvalidInput
 from tests import helpers
-from tests.helpers import orchestrator, settled_metric
+from tests.helpers import orchestrator_in_execute as orchestrator
+from tests.helpers import settled_metric
 from tests.unit.fake_pb_utils import FakePbUtils, Request, SubModelError
 from tests.unit.row_models import (
     ITEM_ERROR,

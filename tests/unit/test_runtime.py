@@ -14,16 +14,10 @@ import pytest
 
 from bls_models import spec as S
 from bls_models import triton_runtime
-from tests import helpers
 from tests.helpers import SLACK, image_inputs, settled_metric, sub_models
+from tests.helpers import orchestrator_in_execute as orchestrator
 from tests.unit.fake_pb_utils import FakePbUtils, Request
 from tests.unit.row_models import DirectedRowModels, code_of, expect_exact, image_of
-
-
-def orchestrator(pb, *args, **parameters):
-    """The committed orchestrator with nothing owed past ``execute`` (``max_owed_answers`` 0):
-    these tests hold its in-``execute`` answers; owed ones are tests/unit/test_owed.py's."""
-    return helpers.orchestrator(pb, *args, **{"max_owed_answers": "0", **parameters})
 
 # Under the committed (CPU) configs and the GPU profile: tests/unit/conftest.py.
 pytestmark = pytest.mark.usefixtures("profile")

@@ -29,8 +29,8 @@ from dataclasses import dataclass
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests import helpers
 from tests.helpers import SLACK
+from tests.helpers import orchestrator_in_execute as orchestrator
 from tests.unit.fake_pb_utils import FakePbUtils, Request
 from tests.unit.row_models import (
     ITEM_ERROR,
@@ -41,12 +41,6 @@ from tests.unit.row_models import (
     expected,
     image_of,
 )
-
-
-def orchestrator(pb, *args, **parameters):
-    """The committed orchestrator with nothing owed past ``execute`` (``max_owed_answers`` 0):
-    these tests hold its in-``execute`` answers; owed ones are tests/unit/test_owed.py's."""
-    return helpers.orchestrator(pb, *args, **{"max_owed_answers": "0", **parameters})
 
 DEFAULT_DEADLINE_MS = 3000
 STAGES = ("preprocess", "classifier", "embedder")
