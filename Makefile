@@ -15,6 +15,8 @@ METRICS_PORT     ?= 8002
 PYTEST_ARGS      ?=
 SOAK_ARGS        ?=
 CHAOS            ?=
+# Models `make models` leaves out when they need training first (`make serve` sets digits_large).
+DEFER            ?=
 # Triton's onnxruntime backend: the r24.10 source tarballs (no network needed when given; else
 # GitHub), the ONNX Runtime C API header (a libonnxruntime-dev .deb; else ONNX Runtime's release)
 # and the build cache (keyed by every input; rebuilt only when one changes).
@@ -107,7 +109,11 @@ gpu-host:
 
 models: $(STAMP) ## Export the ONNX models into the project's model_repository (skipped when up to date); another MODEL_REPOSITORY is only checked (EXPORT_INTO_GIVEN=1: export its missing files)
 	$(PY) -m modelgen.export --repository $(MODEL_REPOSITORY) --size $(MODEL_SIZE) \
-	    $(if $(EXPORT_INTO_GIVEN),--into-given)
+	    $(if $(EXPORT_INTO_GIVEN),--into-given) $(foreach m,$(DEFER),--defer $(m))
+
+# `make serve` answers first and trains later: digits_large (minutes of training on first use)
+# is made while the other models serve (tritonlocal.deferred).
+serve: DEFER = digits_large
 
 configs: $(STAMP) ## Regenerate every config.pbtxt, the orchestrators' model.py and the docs' parameter table from bls_models/spec.py
 	$(PY) -m modelgen.configs --repository $(MODEL_REPOSITORY)

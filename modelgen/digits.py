@@ -175,6 +175,11 @@ def fingerprint(name: str) -> str:
     return digest.hexdigest()[:16]
 
 
+def cached(name: str, cache: Path | None = None) -> bool:
+    """Whether ``name``'s trained weights are in ``cache`` (default ``CACHE``)."""
+    return ((CACHE if cache is None else cache) / f"{name}-{fingerprint(name)}.pt").exists()
+
+
 def build(name: str, cache: Path | None = None, steps: int | None = None):
     """The trained network behind ONNX model ``name``, in eval mode: the same weights on every
     call on one host. Weights trained before are loaded from ``cache`` (default ``CACHE``; a
@@ -194,7 +199,10 @@ def build(name: str, cache: Path | None = None, steps: int | None = None):
     torch.use_deterministic_algorithms(True)
     started = time.monotonic()
     try:
-        _train(net, plan, seed=SEEDS[name], steps=steps)
+        _train(net, plan, seed=SEEDS[name], steps=steps,
+               progress=None if steps is not None else lambda epoch: print(
+                   f"training {name}: epoch {epoch}/{plan.epochs} done, "
+                   f"{time.monotonic() - started:.0f} s", flush=True))
     finally:
         torch.set_num_threads(threads)
         torch.use_deterministic_algorithms(deterministic)
@@ -208,7 +216,7 @@ def build(name: str, cache: Path | None = None, steps: int | None = None):
     return net.eval()
 
 
-def _train(net, plan: Training, seed: int, steps: int | None = None) -> None:
+def _train(net, plan: Training, seed: int, steps: int | None = None, progress=None) -> None:
     import torch
 
     x_train, _, y_train, _ = split()
@@ -223,7 +231,9 @@ def _train(net, plan: Training, seed: int, steps: int | None = None) -> None:
     done = 0
     net.train()
     with torch.enable_grad():  # also when built inside a caller's no_grad (a test's, the export's)
-        for _ in range(plan.epochs):
+        for epoch in range(plan.epochs):
+            if progress is not None and epoch:
+                progress(epoch)
             for rows in torch.randperm(len(x), generator=order).split(plan.batch):
                 if steps is not None and done == steps:
                     return

@@ -109,32 +109,52 @@ def is_project_repository(repository: Path) -> bool:
     return repository.resolve() == PROJECT_REPOSITORY.resolve()
 
 
-def export_all(repository: Path, size: str, force: bool = False) -> list[str]:
-    """Export every ONNX model unless the stamp says they are current; return what was exported.
-    Raises ForeignModelFile, before writing anything, when a file to be replaced is not one the
-    project wrote."""
+def export_all(repository: Path, size: str, force: bool = False,
+               defer: tuple[str, ...] = ()) -> list[str]:
+    """Export the ONNX models the stamp does not vouch for (all of them when the fingerprint
+    changed, or with ``force``; else those whose file is missing); return what was exported.
+    A model named in ``defer`` whose training is not cached is left out (its file removed if
+    stale): ``tritonlocal serve`` makes it while the others serve. Raises ForeignModelFile,
+    before writing anything, when a file to be replaced is not one the project wrote."""
     stamp_path = repository / STAMP
     wanted = fingerprint(size)
     paths = {m.name: onnx_path(repository, m) for m in S.ONNX_MODELS}
     stamp = json.loads(stamp_path.read_text()) if stamp_path.exists() else None
-    if not force and stamp is not None and all(p.exists() for p in paths.values()):
-        if stamp.get("fingerprint") == wanted:
-            return []
-    for name, path in paths.items():
-        if path.exists() and not _written_here(path, name, stamp):
+    current = not force and stamp is not None and stamp.get("fingerprint") == wanted
+    todo = [m for m in S.ONNX_MODELS if not (current and paths[m.name].exists())]
+    for model in todo:
+        path = paths[model.name]
+        if path.exists() and not _written_here(path, model.name, stamp):
             raise ForeignModelFile(
                 f"{path} was not written by this project's export: left as it is (move it away "
                 "to have the project's model exported there)")
-    files = {}
-    for model in S.ONNX_MODELS:
+    later = [m for m in todo if m.name in defer and not _trained(m.name)]
+    files = dict(stamp.get("files", {})) if current else {}
+    for model in todo:
+        path = paths[model.name]
+        if model in later:
+            path.unlink(missing_ok=True)
+            files.pop(model.name, None)
+            continue
         started = time.monotonic()
-        export_model(model, paths[model.name], size)
-        files[model.name] = _digest(paths[model.name])
-        print(f"exported {paths[model.name]} ({size}, sha256 {files[model.name][:12]}, "
+        export_model(model, path, size)
+        files[model.name] = _digest(path)
+        print(f"exported {path} ({size}, sha256 {files[model.name][:12]}, "
               f"{time.monotonic() - started:.1f} s)", flush=True)
-    stamp_path.write_text(json.dumps({"fingerprint": wanted, "size": size, "files": files},
-                                     indent=2) + "\n")
-    return [m.name for m in S.ONNX_MODELS]
+    if todo:
+        stamp_path.write_text(json.dumps({"fingerprint": wanted, "size": size, "files": files},
+                                         indent=2) + "\n")
+    for model in later:
+        print(f"{model.name}: deferred (its training is not cached yet); `tritonlocal serve` "
+              "makes it while the other models serve", flush=True)
+    return [m.name for m in todo if m not in later]
+
+
+def _trained(name: str) -> bool:
+    """Whether ``name`` needs no training: not a trained model, or its weights are cached."""
+    from modelgen import digits
+
+    return name not in digits.MODELS or digits.cached(name)
 
 
 def _written_here(path: Path, name: str, stamp: dict | None) -> bool:
@@ -189,6 +209,9 @@ def main(argv: list[str] | None = None) -> int:
                         default=os.environ.get("MODEL_SIZE", "small"),
                         help="network size (default: $MODEL_SIZE or 'small')")
     parser.add_argument("--force", action="store_true", help="export even if up to date")
+    parser.add_argument("--defer", action="append", default=[], metavar="MODEL",
+                        help="leave this model out if it must be trained first (repeatable; "
+                             "`make serve`: digits_large, made while the others serve)")
     parser.add_argument("--into-given", action="store_true",
                         help="a repository other than the project's: export the project's "
                              "models whose files are missing there (never an existing file)")
@@ -196,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     if not is_project_repository(args.repository):
         return _given(args.repository, args.size, args.into_given)
     try:
-        exported = export_all(args.repository, args.size, args.force)
+        exported = export_all(args.repository, args.size, args.force, tuple(args.defer))
     except ForeignModelFile as refused:
         print(f"modelgen.export: {refused}", file=sys.stderr)
         return 2

@@ -5,6 +5,11 @@ here) or a GPU profile rendered by ``modelgen.profiles`` (``gpu``, ``gpu-ort-trt
 BLS_PROFILE=gpu``), which needs an NVIDIA GPU and driver (``tritonlocal.gpu``; a host without
 one gets one line saying so, exit 2) and the GPU build of the onnxruntime backend.
 
+A model of the project's repository whose file is still to be made (``make serve`` defers
+``digits_large``, trained on first use) is served later, with the models that need it: the
+others answer at once, its progress is printed, and each is loaded when made
+(``tritonlocal.deferred``).
+
 Ctrl-C (SIGINT) or SIGTERM stops the server cleanly: SIGINT to tritonserver, a grace period,
 then SIGKILL for anything left of its process group, stubs included.
 
@@ -22,6 +27,7 @@ written to ``--credential-file`` (mode 0600; ``curl -H @FILE`` sends it), which 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import signal
@@ -29,7 +35,7 @@ import sys
 import threading
 from pathlib import Path
 
-from tritonlocal import backend_build, flags, gpu
+from tritonlocal import backend_build, deferred, flags, gpu
 from tritonlocal.launcher import (
     RESTRICTED_APIS,
     ServerOptions,
@@ -97,6 +103,25 @@ def admin_header(spec: str | None) -> tuple[str, str] | None:
     return name, value
 
 
+def later(repository: Path) -> tuple[list[str], list[str]]:
+    """For the project's own repository, the models whose files are still to be made (``make
+    serve`` defers the trained ``digits_large``) and the models that need them: served once made
+    (tritonlocal.deferred). A repository the user gave is served as it is."""
+    from modelgen.export import is_project_repository
+
+    return deferred.pending(repository) if is_project_repository(repository) else ([], [])
+
+
+def export_size(repository: Path) -> str:
+    """The model size the repository was exported at (its export stamp), else the default."""
+    from modelgen.export import STAMP
+
+    try:
+        return json.loads((repository / STAMP).read_text())["size"]
+    except (OSError, ValueError, KeyError):
+        return os.environ.get("MODEL_SIZE", "small")
+
+
 def _interrupt(signum, frame):
     raise KeyboardInterrupt
 
@@ -140,6 +165,8 @@ def _serve(args: argparse.Namespace, repository: Path, on_gpu: bool) -> int:
         open_apis=open_apis,
         extra_args=args.tritonserver_args,
     )
+    missing, after = later(repository)
+    options.deferred = frozenset(missing + after)
     server = TritonServer(options)
     stop = threading.Event()
     # SIGTERM (e.g. from a process manager) takes the same clean path as Ctrl-C. SIGINT gets its
@@ -155,6 +182,9 @@ def _serve(args: argparse.Namespace, repository: Path, on_gpu: bool) -> int:
         if not args.quiet:
             tail_to(sys.stdout, server.log_file, stop)
         print(banner(server), flush=True)
+        if missing:
+            deferred.make_later(server, missing, after, export_size(repository),
+                                log=lambda line: print(line, flush=True), stop=stop)
         if args.supervise:
             supervisor = Supervisor(server, interval=args.check_interval,
                                     log=lambda line: print(line, flush=True))

@@ -78,14 +78,16 @@ REDACTED = "<redacted>"
 
 def serving_flags(shm_default_bytes: int = SHM_DEFAULT_BYTES,
                   shm_growth_bytes: int = SHM_GROWTH_BYTES,
-                  python_thread_pool: int = PYTHON_THREAD_POOL) -> list[str]:
-    """What every server of this repository runs with, wherever it runs."""
+                  python_thread_pool: int = PYTHON_THREAD_POOL,
+                  load: list[str] | None = None) -> list[str]:
+    """What every server of this repository runs with, wherever it runs. ``load``: the models
+    loaded at start, when not all (tritonlocal.deferred)."""
     return [
         # Every model in the repository is loaded at start, as with mode "none"; explicit control
         # lets the supervisor reload one model whose python stub died (tritonlocal.reload) while
         # the others keep serving. The repository API is restricted (restriction_flags).
         "--model-control-mode=explicit",
-        "--load-model=*",
+        *([f"--load-model={model}" for model in load] if load is not None else ["--load-model=*"]),
         # The configs are complete and committed: load them exactly as written.
         "--disable-auto-complete-config",
         # A model that fails to load stops the server instead of serving without it.

@@ -96,6 +96,9 @@ class ServerOptions:
     # More backends for the backend directory, name -> a directory holding one (e.g. Triton's
     # tensorrt backend for gpu-trt, which the wheel does not ship): copied in like onnxruntime.
     extra_backends: dict[str, Path] = field(default_factory=dict)
+    # Models not loaded at start, their files still being made (tritonlocal.deferred); every
+    # other model of model_repository is. Empty: all of them (``--load-model=*``).
+    deferred: frozenset[str] = frozenset()
 
 
 def on_free_ports(repository: Path, log_file: Path | None = None, **options) -> ServerOptions:
@@ -249,7 +252,10 @@ class TritonServer:
             "--allow-metrics=true", f"--allow-gpu-metrics={str(opts.gpu).lower()}",
             "--allow-cpu-metrics=true",
             *flags.serving_flags(opts.shm_default_bytes, opts.shm_growth_bytes,
-                                 opts.python_thread_pool),
+                                 opts.python_thread_pool, load=sorted(
+                                     p.parent.name for p in repository.glob("*/config.pbtxt")
+                                     if p.parent.name not in opts.deferred)
+                                 if opts.deferred else None),
             # On CPU, skip the pinned host pool the CUDA build would try to allocate; on GPUs,
             # Triton's defaults for it and the container's CUDA pools.
             *(flags.cuda_pool_flags() if opts.gpu else ["--pinned-memory-pool-byte-size=0"]),

@@ -88,6 +88,15 @@ def model_config(url: str, model: str, headers: dict[str, str], timeout: float =
     return json.loads(body)
 
 
+def load_model(url: str, model: str, headers: dict[str, str], timeout: float = 300.0) -> None:
+    """Load ``model`` from the repository as its files are; returns when it serves. Raises
+    ReloadError with the server's words otherwise."""
+    status, body = _call(url, f"/v2/repository/models/{urllib.parse.quote(model)}/load",
+                         headers, {}, timeout=timeout)
+    if status != 200:
+        raise ReloadError(f"load of '{model}' answered {status}: {body[:300]!r}")
+
+
 def reload_model(url: str, model: str, headers: dict[str, str], generation: str,
                  timeout: float = 120.0, config: dict | None = None) -> None:
     """Make Triton load a new copy of ``model`` (every instance new) from ``config`` (its served

@@ -319,3 +319,29 @@ def test_an_orchestrator_naming_a_missing_stage_model_fails_to_load(repository, 
     assert "pipeline" in message
     assert "no model 'classifier_v9'" in message
     assert "'classifier' has no tensor 'EMBEDDING'" in message
+
+
+def test_deferred_models_serve_once_made_and_the_others_at_once(repository, tmp_path):
+    """`make serve` on a fresh clone (tritonlocal.deferred): the server starts without
+    digits_large and what needs it, and serves them once made. Here their file exists already,
+    so making it is the export's up-to-date check: the loads are what is checked."""
+    from tritonlocal import deferred
+
+    missing, after = [S.DIGITS_LARGE.name], [S.DIGITS_CASCADE.name, "digits_ensemble"]
+    lines: list[str] = []
+    server = TritonServer(options(repository, tmp_path, deferred=frozenset(missing + after)))
+    with server:
+        client = grpcclient.InferenceServerClient(server.grpc_url)
+        assert client.is_model_ready(S.PIPELINE.name)
+        assert not any(client.is_model_ready(m) for m in missing + after)
+        deferred.make_later(server, missing, after, "small", log=lines.append).join(300)
+        assert all(client.is_model_ready(m) for m in missing + after), lines
+        pixels = grpcclient.InferInput("DIGIT_PIXELS", [1, 64], "FP32")
+        pixels.set_data_from_numpy(np.full((1, 64), 8, np.float32))
+        answer = client.infer(S.DIGITS_CASCADE.name, [pixels])
+        assert answer.as_numpy("DIGIT").shape[0] == 1
+        assert server.options.deferred == frozenset()  # a restart now loads every model
+        client.close()
+    assert lines[0].startswith(deferred.PREFIX) and "being made" in lines[0], lines
+    assert [line for line in lines if line.endswith("is ready")] == [
+        f"{deferred.PREFIX} {m} is ready" for m in missing + after], lines
