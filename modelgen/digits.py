@@ -200,9 +200,7 @@ def build(name: str, cache: Path | None = None, steps: int | None = None):
     started = time.monotonic()
     try:
         _train(net, plan, seed=SEEDS[name], steps=steps,
-               progress=None if steps is not None else lambda epoch: print(
-                   f"training {name}: epoch {epoch}/{plan.epochs} done, "
-                   f"{time.monotonic() - started:.0f} s", flush=True))
+               progress=None if steps is not None else _progress(name, plan.epochs, started))
     finally:
         torch.set_num_threads(threads)
         torch.use_deterministic_algorithms(deterministic)
@@ -214,6 +212,20 @@ def build(name: str, cache: Path | None = None, steps: int | None = None):
         torch.save(net.state_dict(), partial)
         os.replace(partial, stored)
     return net.eval()
+
+
+def _progress(name: str, epochs: int, started: float, every: float = 10.0):
+    """A line per finished epoch, at most one every ``every`` seconds (a long training shows
+    it is moving; a short one says nothing until it is done)."""
+    said = [started]
+
+    def epoch_done(epoch: int) -> None:
+        now = time.monotonic()
+        if now - said[0] >= every:
+            said[0] = now
+            print(f"training {name}: epoch {epoch} of {epochs} done after {now - started:.0f} s",
+                  flush=True)
+    return epoch_done
 
 
 def _train(net, plan: Training, seed: int, steps: int | None = None, progress=None) -> None:
