@@ -289,7 +289,7 @@ def _cascade_requests(pixels: np.ndarray, concurrency: int, size: int, quick: bo
     cycling through the reporting images, enough for several rounds of ``concurrency``."""
     if size == 1:
         return [{S.DIGIT_PIXELS.name: pixels[i:i + 1]} for i in range(len(pixels))]
-    count = max(8 if quick else 32, 4 * concurrency)
+    count = 8 if quick else max(32, 4 * concurrency)  # quick: a smoke run, no claims
     rows = np.arange(count * size) % len(pixels)
     return [{S.DIGIT_PIXELS.name: pixels[rows[i * size:(i + 1) * size]]} for i in range(count)]
 
@@ -336,7 +336,8 @@ def _cascade(result, url: str, repository: Path, quick: bool) -> dict:
         for concurrency, size in cells:
             requests = _cascade_requests(x_report, concurrency, size, quick)
             for model, label in subjects:
-                warm = [requests[i % len(requests)] for i in range(max(16, 2 * concurrency))]
+                warm = [requests[i % len(requests)]
+                        for i in range(8 if quick else max(16, 2 * concurrency))]
                 run(drive(url, model, warm, concurrency))
                 latencies: list[float] = []
                 before = _compute(url, model)

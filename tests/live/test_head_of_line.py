@@ -10,7 +10,7 @@ max(2 x the ensemble's, the ensemble's + 250 ms) under the same ``k``, same prot
 
 The orchestrator's committed config is used: 2 instances, ``max_owed_answers`` 4 each. Up to the
 bound a parked request frees its instance after ``OWE_AFTER_SECONDS`` (0.1 s); past it, an
-instance holding more keeps its batch until the parked requests end, so k = 8 and 12 may hold one
+instance holding more keeps its batch until the parked requests end, so k = 8 may hold one
 or both instances: the others are then bounded by the parked requests' own time, which the test
 states (and the table it prints shows). `pipeline_park_bound0` (the same with
 ``max_owed_answers`` 0, today's guarantee before issue 47) is measured beside them, not held to
@@ -82,13 +82,13 @@ def scenario(server, protocol: str, model: str, k: int) -> tuple[float, list]:
 @pytest.mark.parametrize("protocol", ["grpc", "http"])
 def test_parked_requests_hold_up_no_one_up_to_the_bound(protocol, server, record_property):
     """k = 1, 2, 4: the others' p95 through `pipeline` within max(2 x, + 250 ms) of the
-    ensemble's; k = 8 and 12 (past the bound when an instance gets more than 4): within the
+    ensemble's; k = 8 (past the bound when an instance gets more than 4): within the
     parked requests' own time of it. Every request, parked or not, is answered without error."""
     rows, failures = [], []
     models = ("pipeline_ensemble_park", "pipeline_park", "pipeline_park_bound0")
     for model in models:  # warm: every instance has run
         scenario(server, protocol, model, 0)
-    for k in (1, 2, 4, 8, 12):
+    for k in (1, 2, 4, 8):  # 12 measured once (docs/reliability.md): it adds nothing to 8
         (ensemble, ensemble_errors), (orchestrated, errors), (held, held_errors) = (
             scenario(server, protocol, model, k) for model in models)
         limit = max(2 * ensemble, ensemble + SLACK) + (PARK_MS / 1e3 if k > 4 else 0)

@@ -80,7 +80,8 @@ def test_too_little_dev_shm_fails_before_starting(repository, tmp_path):
 
 
 def test_not_ready_in_time_is_reported_and_the_server_is_stopped(repository, tmp_path):
-    launcher = TritonServer(options(repository, tmp_path, ready_timeout=0.0))
+    # A server caught mid-start may not heed SIGINT: a short grace before SIGKILL (20 s else).
+    launcher = TritonServer(options(repository, tmp_path, ready_timeout=0.0, stop_grace=2.0))
     with pytest.raises(LauncherError, match=r"not ready within 0 s"):
         launcher.start()
     assert launcher.process is None and not launcher.is_running()
