@@ -340,26 +340,21 @@ class Orchestrator:
         answers it) if the sender was never used. An owed job, which has no list, gets the
         plainest answer then. Never raises."""
         code, content = self._content(job)
-        try:
+        for plainest in (False, owed):
             try:
                 self.backend.send(job.request, **content, sender=job.sender)
+                break
             except NotSent:
-                if not owed:
-                    raise
                 self.log(f"could not answer '{job.request_id}':\n{traceback.format_exc()}",
                          error=True)
-                code, content = "INTERNAL", self._plain()
-                self.backend.send(job.request, **content, sender=job.sender)
-        except NotSent:
-            self.log(f"could not answer '{job.request_id}' early:\n{traceback.format_exc()}",
-                     error=True)
-            if not owed:
-                return False
-            code = "SEND_FAILED"
-        except Exception:  # noqa: BLE001 - the sender is closed now (r24.10): no retry
-            self.log(f"could not send the response of '{job.request_id}':\n"
-                     f"{traceback.format_exc()}", error=True)
-            code = "SEND_FAILED"
+                if not owed:
+                    return False
+                code, content = "SEND_FAILED" if plainest else "INTERNAL", self._plain()
+            except Exception:  # noqa: BLE001 - the sender is closed now (r24.10): no retry
+                self.log(f"could not send the response of '{job.request_id}':\n"
+                         f"{traceback.format_exc()}", error=True)
+                code = "SEND_FAILED"
+                break
         job.answered = True
         with self.backend.lock:  # the request may die here: an object call
             job.request = job.inputs = job.sender = None
