@@ -150,6 +150,14 @@ def export_all(repository: Path, size: str, force: bool = False,
     return [m.name for m in todo if m not in later]
 
 
+def stamped_size(repository: Path) -> str:
+    """The model size ``repository`` was last exported at (its stamp), else the default."""
+    try:
+        return json.loads((repository / STAMP).read_text())["size"]
+    except (OSError, ValueError, KeyError):
+        return os.environ.get("MODEL_SIZE", "small")
+
+
 def _trained(name: str) -> bool:
     """Whether ``name`` needs no training: not a trained model, or its weights are cached."""
     from modelgen import digits

@@ -345,9 +345,11 @@ def settled(server, name: str, timeout: float = METRIC_TIMEOUT, **labels: str) -
     return value
 
 
-def inference_count(client, model: str) -> int:
+def inference_count(client, model: str, count: str = "inference_count") -> int:
+    """One of ``model``'s statistics counts over its versions: requests (``inference_count``),
+    or batches run (``execution_count``)."""
     stats = client.get_inference_statistics(model, as_json=True)["model_stats"]
-    return sum(int(s.get("inference_count", 0)) for s in stats)
+    return sum(int(s.get(count, 0)) for s in stats)
 
 
 def stub_pids(server, model: str) -> list[int]:

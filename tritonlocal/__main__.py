@@ -27,7 +27,6 @@ written to ``--credential-file`` (mode 0600; ``curl -H @FILE`` sends it), which 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import signal
@@ -35,6 +34,7 @@ import sys
 import threading
 from pathlib import Path
 
+from modelgen.export import is_project_repository, stamped_size
 from tritonlocal import backend_build, deferred, flags, gpu
 from tritonlocal.launcher import (
     RESTRICTED_APIS,
@@ -107,19 +107,7 @@ def later(repository: Path) -> tuple[list[str], list[str]]:
     """For the project's own repository, the models whose files are still to be made (``make
     serve`` defers the trained ``digits_large``) and the models that need them: served once made
     (tritonlocal.deferred). A repository the user gave is served as it is."""
-    from modelgen.export import is_project_repository
-
     return deferred.pending(repository) if is_project_repository(repository) else ([], [])
-
-
-def export_size(repository: Path) -> str:
-    """The model size the repository was exported at (its export stamp), else the default."""
-    from modelgen.export import STAMP
-
-    try:
-        return json.loads((repository / STAMP).read_text())["size"]
-    except (OSError, ValueError, KeyError):
-        return os.environ.get("MODEL_SIZE", "small")
 
 
 def _interrupt(signum, frame):
@@ -183,7 +171,7 @@ def _serve(args: argparse.Namespace, repository: Path, on_gpu: bool) -> int:
             tail_to(sys.stdout, server.log_file, stop)
         print(banner(server), flush=True)
         if missing:
-            deferred.make_later(server, missing, after, export_size(repository),
+            deferred.make_later(server, missing, after, stamped_size(repository),
                                 log=lambda line: print(line, flush=True), stop=stop)
         if args.supervise:
             supervisor = Supervisor(server, interval=args.check_interval,

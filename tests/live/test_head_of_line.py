@@ -29,7 +29,7 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 
 from bls_models import spec as S
-from tests.helpers import image, infer
+from tests.helpers import image, infer, inference_count
 
 PARK_MS = 1500
 OTHERS = 50
@@ -195,9 +195,7 @@ DECIDED = {"deadline": ("pipeline_park1", "fault_park", {"timeout": SHORT_US}),
 
 
 def _executions(client, model: str) -> tuple[int, int]:
-    stats = client.get_inference_statistics(model, as_json=True)["model_stats"]
-    return (sum(int(s.get("execution_count", 0)) for s in stats),
-            sum(int(s.get("inference_count", 0)) for s in stats))
+    return inference_count(client, model, "execution_count"), inference_count(client, model)
 
 
 @pytest.mark.parametrize("bound", ["committed", "0"])
