@@ -205,10 +205,18 @@ def send_together(url: str, model: str, name: str, batches: list[np.ndarray], dt
 
 
 def execution_stats(url: str, model: str) -> tuple[int, int]:
+    """(inference_count, execution_count) once the execution count is reported: the backend
+    reports a batch's statistics after sending its responses, so a read right after the last
+    answer can see the inferences and no execution yet (seen as (4, 0) on a loaded host)."""
     client = grpcclient.InferenceServerClient(url)
     try:
-        stats = client.get_inference_statistics(model, as_json=True)["model_stats"][0]
-        return int(stats.get("inference_count", 0)), int(stats.get("execution_count", 0))
+        deadline = time.monotonic() + 10
+        while True:
+            stats = client.get_inference_statistics(model, as_json=True)["model_stats"][0]
+            counts = int(stats.get("inference_count", 0)), int(stats.get("execution_count", 0))
+            if counts[1] > 0 or time.monotonic() > deadline:
+                return counts
+            time.sleep(0.05)
     finally:
         client.close()
 

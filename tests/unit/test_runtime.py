@@ -136,12 +136,14 @@ def test_a_group_answered_between_two_calls_sends_nothing_more(made):
 
     async def slow_between(inputs, call, setup):
         pixels = await call("preprocess", {"IMAGE": inputs["IMAGE"]}, ["PIXELS"])
-        time.sleep(0.3)  # computing, no sub-request out
+        time.sleep(1.0)  # computing, no sub-request out
         await call("classifier", pixels, ["LOGITS"])
         return await pipeline(inputs, call, setup)
 
     orch.run = slow_between
-    request = Request(image_inputs(), request_id="between", timeout_us=100_000)
+    # 0.4 s: preprocess is sent well within it even on a loaded host (a 0.1 s deadline passed
+    # before it once, with a second test worker busy); the deadline passes during the sleep.
+    request = Request(image_inputs(), request_id="between", timeout_us=400_000)
     pb.execute(orch, [request])
     assert "deadline exceeded" in request.answer.error().message()
     assert [s.model for s in pb.sent] == ["preprocess"]
