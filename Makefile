@@ -61,7 +61,7 @@ BENCH_EXPERIMENTS := ort_options orchestration overhead overload control_flow
 help: ## Show this help
 	@grep -hE '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-15s %s\n", $$1, $$2}'
 	@echo "  make bench-<experiment>  one experiment: $(BENCH_EXPERIMENTS)"
-	@echo "  Variables: HTTP_PORT GRPC_PORT METRICS_PORT MODEL_REPOSITORY MODEL_SIZE=small|full|fast PYTEST_ARGS SOAK_ARGS CHAOS=1 MODEL BUDGET_MS"
+	@echo "  Variables: HTTP_PORT GRPC_PORT METRICS_PORT MODEL_REPOSITORY MODEL_SIZE=small|full|fast PYTEST_ARGS TEST_WORKERS SOAK_ARGS CHAOS=1 MODEL BUDGET_MS"
 	@echo "  Backend:   TRITON_SOURCES=$(TRITON_SOURCES) ORT_HEADERS=$(ORT_HEADERS) BACKEND_CACHE=$(BACKEND_CACHE) BACKEND_GPU_CACHE=$(BACKEND_GPU_CACHE) GPU_RUNTIME=1 JOBS"
 	@echo "  GPU host:  make serve BLS_PROFILE=gpu|gpu-ort-trt (no Docker), make gpu-check GPU_CHECK_ARGS"
 	@echo "  Container: IMAGE TEST_IMAGE BLS_PROFILE=portable|gpu|gpu-ort-trt|gpu-trt GPUS SHM_SIZE TEST_SHM_SIZE PUBLISH_HOST CACHE_VOLUME TEST_CACHE_VOLUME"
@@ -131,8 +131,17 @@ serve: gpu-host
 	$(SERVE) --profile $(SERVE_PROFILE)
 endif
 
-test: lint models backend $(TUNE_STAMP) ## Lint, then the whole test suite (unit + live server) — what CI runs
-	$(PY) -m pytest $(PYTEST_ARGS)
+# The suite on two workers (pytest-xdist), each with its own session server, in the units of work
+# tests/conftest.py names. The live tests wait on servers, sleeps and deadlines much of the time,
+# so two workers nearly halve the suite on 2 cores; they need about 21 GiB at their peak
+# (docs/operations.md#the-test-suite), so a host with less than 22 GiB gets one.
+# TEST_WORKERS=0 runs it in one process.
+TEST_WORKERS ?= $(shell awk '/^MemTotal/ {print ($$2 >= 22 * 1024 * 1024) ? 2 : 0}' /proc/meminfo 2>/dev/null || echo 0)
+test: ## Lint, then the whole test suite (unit + live server) — what CI runs
+	@# side by side once the venv is made: the digits training, the backend build, Model
+	@# Analyzer's venv and the lint (about 100 s of a first run instead of 150)
+	$(MAKE) --no-print-directory -j3 lint models backend $(TUNE_STAMP)
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
 lint: $(STAMP) ## ruff over every Python file (rules in pyproject.toml); `make test` runs it first
 	$(PY) -m ruff check .

@@ -26,6 +26,31 @@ LOCAL_ONLY = ("test_launcher.py", "test_recovery.py", "test_security.py", "test_
               "test_chaos.py", "test_cascade_template.py", "test_tune.py")
 
 
+# Memory decides how `make test`'s two workers (`--dist loadgroup`) share the suite: each worker
+# has its own session server (84 python stubs, about 5 GiB at the start, 10 once the heaviest
+# tests have grown its arenas and shared-memory regions). Two units of work run one test after
+# the other on one worker each: UNIT_HEAVY, the tests that load a session server the most (so no
+# two of them run at once), and UNIT_OWN_SERVERS, those that start servers of their own (or `make
+# serve`, or Model Analyzer's; so at most one is up, and, as they come first and the ones that
+# also need the session server last, before its worker starts a session server). Every other
+# test is a unit of its own. Spread freely, two session servers and four more were once up at
+# once: 23 GiB of this host's 24, and the OOM killer took a session server.
+UNIT_HEAVY = ("test_memory.py", "test_bench_smoke.py", "test_steady_poison.py", "test_soak.py",
+              "test_groups.py")
+UNIT_OWN_SERVERS = ("test_launcher.py", "test_recovery.py", "test_security.py", "test_chaos.py",
+                    "test_cascade_template.py", "test_tune.py", "test_extending.py",
+                    "test_memory_bound.py", "test_given_repository.py", "test_failure_paths.py",
+                    "test_head_of_line.py")
+
+
+def _unit(path: str) -> str | None:
+    """The unit of work of the test file at ``path`` (a node id's or an absolute one), if any."""
+    if Path(path).parent.name != "live":
+        return None
+    name = Path(path).name
+    return "heavy" if name in UNIT_HEAVY else "own_servers" if name in UNIT_OWN_SERVERS else None
+
+
 @dataclass
 class _Process:
     pid: int
@@ -133,8 +158,27 @@ def grpc_client(server):
     client.close()
 
 
+def pytest_xdist_make_scheduler(config, log):
+    """Under `--dist loadgroup`: the two units above, every other test one of its own. (xdist's
+    own loadgroup reads ``xdist_group`` marks by renaming node ids, which pytest 9 no longer lets
+    it do.)"""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class Units(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _unit(nodeid.split("::", 1)[0]) or nodeid
+
+    return Units(config, log)
+
+
 def pytest_collection_modifyitems(items):
-    """Everything under tests/live talks to a real server; some need the local launcher."""
+    """Everything under tests/live talks to a real server; some need the local launcher. The
+    units come first (the workers start on them), and within each, the tests that need no
+    session server first."""
+    order = {"heavy": 0, "own_servers": 1, None: 2}
+    items.sort(key=lambda item: (order[_unit(str(item.fspath))], "server" in item.fixturenames))
     skip = pytest.mark.skip(reason="needs the local launcher, a loopback bind or perf_analyzer; "
                                    "not in the container (TRITON_EXTERNAL_SERVER is set)")
     for item in items:
