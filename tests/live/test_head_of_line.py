@@ -121,9 +121,21 @@ ANSWERED_WITHIN = 3.0     # seconds from the kill, for every request not owed
 RELOADED_WITHIN = 2.0     # seconds, the per-model reload
 
 
+@pytest.fixture(scope="module")
+def kill_server(repository, fault_repository, tmp_path_factory):
+    """A server of its own for the stub kills (the session's is never disturbed), shared by both
+    bounds: each kills and reloads its own model's stub."""
+    from tests.helpers import server_options
+    from tritonlocal import TritonServer
+
+    options = server_options(repository, tmp_path_factory.mktemp("kill"), stop_grace=2.0,
+                             extra_args=[f"--model-repository={fault_repository}"])
+    with TritonServer(options) as server:
+        yield server
+
+
 @pytest.mark.parametrize("model,bound", [("pipeline_park1", 4), ("pipeline_park1_bound0", 0)])
-def test_a_stub_killed_with_requests_parked_strands_at_most_the_bound(
-        model, bound, repository, fault_repository, tmp_path):
+def test_a_stub_killed_with_requests_parked_strands_at_most_the_bound(model, bound, kill_server):
     """Six requests parked on one instance (each 30 s in fault_park): with the bound at 4, four
     are owed (the gauge says so), the fifth holds ``execute`` and the sixth waits in Triton's
     queue; with the bound at 0 none is owed. After SIGKILL every request not owed is answered
@@ -132,39 +144,37 @@ def test_a_stub_killed_with_requests_parked_strands_at_most_the_bound(
     import os
     import signal
 
-    from tests.helpers import metric, server_options
-    from tritonlocal import TritonServer, reload
+    from tests.helpers import metric
+    from tritonlocal import reload
 
-    options = server_options(repository, tmp_path, stop_grace=2.0,
-                             extra_args=[f"--model-repository={fault_repository}"])
-    with TritonServer(options) as server:
-        client = grpcclient.InferenceServerClient(server.grpc_url)
-        data, ended = image(seed=3), {}
+    server = kill_server
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    data, ended = image(seed=3), {}
 
-        def park(i: int) -> None:
-            try:
-                infer("grpc", client, model, "IMAGE", data, "UINT8", OUTPUTS,
-                      request_id=f"k{i};fault_park:park:30000", client_timeout=KILL_DEADLINE)
-                ended[i] = (time.monotonic(), "answered")
-            except Exception as error:  # noqa: BLE001 - how it ended is what is checked
-                ended[i] = (time.monotonic(), str(error).splitlines()[0][:120])
+    def park(i: int) -> None:
+        try:
+            infer("grpc", client, model, "IMAGE", data, "UINT8", OUTPUTS,
+                  request_id=f"k{i};fault_park:park:30000", client_timeout=KILL_DEADLINE)
+            ended[i] = (time.monotonic(), "answered")
+        except Exception as error:  # noqa: BLE001 - how it ended is what is checked
+            ended[i] = (time.monotonic(), str(error).splitlines()[0][:120])
 
-        threads = [threading.Thread(target=park, args=(i,)) for i in range(PARKED)]
-        for thread in threads:
-            thread.start()
-            time.sleep(0.25)  # each its own batch, owed (or held) before the next comes
-        time.sleep(0.5)  # the gauge is published every 0.2 s
-        owed = metric(server, "bls_owed_answers", model=model)
-        (victim,) = server.stub_pids(model)
-        killed = time.monotonic()
-        os.kill(victim, signal.SIGKILL)
-        for thread in threads:
-            thread.join(KILL_DEADLINE + 10)
-        started = time.monotonic()
-        reload.reload_model(server.http_url, model, server.admin_headers, "after-kill")
-        reloaded = time.monotonic() - started
-        after = infer("grpc", client, model, "IMAGE", data, "UINT8", OUTPUTS, request_id="after")
-        client.close()
+    threads = [threading.Thread(target=park, args=(i,)) for i in range(PARKED)]
+    for thread in threads:
+        thread.start()
+        time.sleep(0.25)  # each its own batch, owed (or held) before the next comes
+    time.sleep(0.5)  # the gauge is published every 0.2 s
+    owed = metric(server, "bls_owed_answers", model=model)
+    (victim,) = server.stub_pids(model)
+    killed = time.monotonic()
+    os.kill(victim, signal.SIGKILL)
+    for thread in threads:
+        thread.join(KILL_DEADLINE + 10)
+    started = time.monotonic()
+    reload.reload_model(server.http_url, model, server.admin_headers, "after-kill")
+    reloaded = time.monotonic() - started
+    after = infer("grpc", client, model, "IMAGE", data, "UINT8", OUTPUTS, request_id="after")
+    client.close()
     late = sorted(round(at - killed, 2) for at, _ in ended.values() if at - killed > ANSWERED_WITHIN)
     stranded = [how for at, how in ended.values() if at - killed > ANSWERED_WITHIN]
     print(f"\n{model}: owed {owed:.0f} at the kill; answered within {ANSWERED_WITHIN} s: "

@@ -45,10 +45,17 @@ def test_a_server_over_its_memory_bound_is_drained_and_restarted(repository, tmp
             in_flight = sum(not f.done() for f in futures)
             restarted = supervisor.check_once()
             outcomes = [f.result(timeout=120) for f in futures]
-        assert in_flight >= CLIENTS // 4, f"only {in_flight} requests in flight at the drain"
+        # A request still on its way when the drain has unloaded `pipeline` is refused with
+        # NOT_FOUND, as the drain means it to be (seen once with a second test worker busy: one
+        # of 48 had not reached the server 0.5 s after the first was sent); one that reached it
+        # is answered.
+        errors = [str(o.error) for o in outcomes if o.error is not None]
+        refused = [e for e in errors if "NOT_FOUND" in e and "no available versions" in e]
+        assert in_flight - len(refused) >= CLIENTS // 4, \
+            f"only {in_flight - len(refused)} requests in flight at the drain"
         assert restarted and server.process.pid != first_pid
         assert any("over its bound of 1 MiB: drain and restart it" in line for line in events)
-        failed = [str(o.error) for o in outcomes if o.error is not None]
+        failed = [e for e in errors if e not in refused]
         assert failed == [], f"{len(failed)} of {CLIENTS} requests in flight were dropped: " \
                              f"{failed[:3]}"
         supervisor.max_server_memory_mib = 0.0
