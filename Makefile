@@ -149,7 +149,7 @@ lint: $(STAMP) ## ruff over every Python file (rules in pyproject.toml); `make t
 test-unit: $(STAMP) ## Only the tests that need no server
 	$(PY) -m pytest -m "not live" $(PYTEST_ARGS)
 
-bench: models backend ## Run every benchmark (perf_analyzer; ~45 min) -> bench/results/REPORT.md (tuning: make tune)
+bench: models backend ## Run every benchmark (perf_analyzer) -> bench/results/REPORT.md (tuning: make tune)
 	$(PY) -m bench
 
 soak: models backend ## Soak both orchestrators (100 000 requests at concurrency 512; SOAK_ARGS) -> bench/results/soak.md; CHAOS=1: 20 min with bad inputs, cancels, short deadlines and stub kills -> chaos.md
