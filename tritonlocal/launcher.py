@@ -50,6 +50,14 @@ SHM_PREFIX = "tritonlocal_"  # + launcher pid + "_" + run id + "_" + Triton's UU
 RESTRICTED_APIS = flags.RESTRICTED_APIS  # what the admin credential opens (tritonlocal.flags)
 CREDENTIAL_FILE = "admin.header"  # a generated credential's file, in the run directory by default
 _PR_SET_PDEATHSIG = 1
+# Aborts of r24.10 at start that a second start does not repeat: the python backend's IPC lock
+# throws while many stubs start on a loaded host (std::terminate, SIGABRT, 0.7 s into loading
+# here; the same abort is reported upstream at start, triton-inference-server/
+# tensorrtllm_backend#354, and under load, server#8882). A server that dies
+# this way before ready is started once more (START_ATTEMPTS in all); any other exit fails the
+# start at once.
+TRANSIENT_START_ABORTS = ("boost::interprocess::lock_exception",)
+START_ATTEMPTS = 2
 # PR_SET_PDEATHSIG fires when the *thread* that forked the child exits, not the process. Servers
 # are therefore spawned from this one long-lived thread: a server started from a short-lived
 # thread (a supervisor restarting it from its own thread) would be SIGKILLed when that thread
@@ -223,20 +231,48 @@ class TritonServer:
             if opts.admin_header is None:
                 path = opts.credential_file or self._run_dir / CREDENTIAL_FILE
                 self._write_credential(Path(path))
-            with open(self.log_file, "ab") as log:
-                # The log is echoed to the terminal and kept: the command line without the header.
-                log.write(f"# {' '.join(flags.redact(command))}\n".encode())
-                log.flush()
-                self.process = _SPAWNER.submit(
-                    subprocess.Popen, command, env=env, stdin=subprocess.DEVNULL, stdout=log,
-                    stderr=subprocess.STDOUT,
-                    start_new_session=True,  # own process group: stop() can reach every stub
-                    preexec_fn=_die_with_parent,
-                ).result()
-            self._wait_ready(repository)
+            for attempt in range(1, START_ATTEMPTS + 1):
+                start_of_log = self._spawn(command, env)
+                try:
+                    self._wait_ready(repository)
+                    break
+                except LauncherError:
+                    abort = self._transient_abort(start_of_log)
+                    if abort is None or attempt == START_ATTEMPTS:
+                        raise
+                    self._end_process(grace=0.0)
+                    with open(self.log_file, "a") as log:
+                        log.write(f"# tritonlocal: tritonserver aborted before it was ready "
+                                  f"({abort}, attempt {attempt} of {START_ATTEMPTS}); "
+                                  "starting it again\n")
         except BaseException:
             self.stop()  # the credential file and the run directory too
             raise
+
+    def _spawn(self, command: list[str], env: dict[str, str]) -> int:
+        """Start tritonserver with its output appended to the log; the log's size before it."""
+        with open(self.log_file, "ab") as log:
+            # The log is echoed to the terminal and kept: the command line without the header.
+            start_of_log = log.tell()
+            log.write(f"# {' '.join(flags.redact(command))}\n".encode())
+            log.flush()
+            self.process = _SPAWNER.submit(
+                subprocess.Popen, command, env=env, stdin=subprocess.DEVNULL, stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,  # own process group: stop() can reach every stub
+                preexec_fn=_die_with_parent,
+            ).result()
+        return start_of_log
+
+    def _transient_abort(self, start_of_log: int) -> str | None:
+        """The known transient abort the server just died of (TRANSIENT_START_ABORTS, SIGABRT
+        and its message in this start's part of the log), or None."""
+        if self.process is None or self.process.poll() != -signal.SIGABRT:
+            return None
+        with open(self.log_file, "rb") as log:
+            log.seek(start_of_log)
+            text = log.read().decode(errors="replace")
+        return next((known for known in TRANSIENT_START_ABORTS if known in text), None)
 
     def command(self, server: Path, repository: Path, backends: Path,
                 restrictions: list[str]) -> list[str]:
@@ -270,21 +306,7 @@ class TritonServer:
     def stop(self, grace: float | None = None) -> int | None:
         """SIGINT, wait up to ``grace`` (default ``stop_grace``), then SIGKILL the process group.
         Idempotent."""
-        process, self.process = self.process, None
-        code = None
-        if process is not None:
-            if process.poll() is None:
-                _signal_group(process.pid, signal.SIGINT)
-                try:
-                    process.wait(self.options.stop_grace if grace is None else grace)
-                except subprocess.TimeoutExpired:
-                    pass
-            # Whatever is left of the group (a server past its grace period, orphaned stubs).
-            _signal_group(process.pid, signal.SIGKILL)
-            code = process.wait()
-            _wait_group_gone(process.pid, timeout=10.0)
-            for region in shm_regions(self._shm_prefix):
-                region.unlink(missing_ok=True)
+        code = self._end_process(self.options.stop_grace if grace is None else grace)
         if self.credential_file is not None:
             self.credential_file.unlink(missing_ok=True)  # it opens nothing any more
             self.credential_file = None
@@ -293,6 +315,26 @@ class TritonServer:
             shutil.rmtree(backends, ignore_errors=True)
             if self.log_file is not None and self.log_file.parent != self._run_dir:
                 shutil.rmtree(self._run_dir, ignore_errors=True)
+        return code
+
+    def _end_process(self, grace: float) -> int | None:
+        """SIGINT, ``grace`` seconds, then SIGKILL for the server's process group, and its
+        shared-memory regions removed; the server's exit status (None: none was running)."""
+        process, self.process = self.process, None
+        if process is None:
+            return None
+        if process.poll() is None:
+            _signal_group(process.pid, signal.SIGINT)
+            try:
+                process.wait(grace)
+            except subprocess.TimeoutExpired:
+                pass
+        # Whatever is left of the group (a server past its grace period, orphaned stubs).
+        _signal_group(process.pid, signal.SIGKILL)
+        code = process.wait()
+        _wait_group_gone(process.pid, timeout=10.0)
+        for region in shm_regions(self._shm_prefix):
+            region.unlink(missing_ok=True)
         return code
 
     def is_running(self) -> bool:

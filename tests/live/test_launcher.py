@@ -19,7 +19,7 @@ import tritonclient.grpc as grpcclient
 from bls_models import spec as S
 from tests.helpers import PYTHON_MODEL, make_repository, mixed_repository
 from tests.helpers import server_options as options
-from tritonlocal import LauncherError, TritonServer
+from tritonlocal import LauncherError, TritonServer, launcher, runtime
 from tritonlocal.launcher import kill_orphaned_stubs, remove_stale_regions, shm_regions
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -53,6 +53,61 @@ def test_a_missing_onnx_file_says_to_run_make_models(repository, tmp_path):
     with pytest.raises(LauncherError,
                        match=r"preprocess: .*model\.onnx.*does not exist: run `make models`"):
         TritonServer(options(repo, tmp_path)).start()
+
+
+LOCK = "boost::interprocess::lock_exception"
+
+
+def aborting_server(tmp_path: Path, monkeypatch, aborts: int, message: str,
+                    death: str = "kill -ABRT $$") -> Path:
+    """Make the launcher start a wrapper instead of tritonserver: its first ``aborts`` starts
+    print ``message`` and die of SIGABRT, as r24.10 does when its python backend's IPC lock
+    throws at start (``death``: how they end instead); later ones exec the real server.
+    Returns the file counting the starts."""
+    real = runtime.find_installation()
+    starts = tmp_path / "starts"
+    wrapper = tmp_path / "tritonserver"
+    wrapper.write_text(
+        "#!/bin/sh\n"
+        f"n=$(( $(cat {starts} 2>/dev/null || echo 0) + 1 )); echo $n > {starts}\n"
+        f"if [ $n -le {aborts} ]; then\n"
+        f"  echo \"terminate called after throwing an instance of '{message}'\"\n"
+        f"  {death}\n"
+        "fi\n"
+        f'exec {real.server} "$@"\n')
+    wrapper.chmod(0o755)
+    monkeypatch.setattr(runtime, "find_installation",
+                        lambda: dataclasses.replace(real, server=wrapper))
+    return starts
+
+
+def test_a_server_aborting_at_start_on_the_ipc_lock_is_started_again(repository, tmp_path,
+                                                                      monkeypatch):
+    starts = aborting_server(tmp_path, monkeypatch, aborts=1, message=LOCK)
+    repo = make_repository(tmp_path / "repo", repository, S.PREPROCESS)
+    with TritonServer(options(repo, tmp_path)) as server:
+        assert server.is_running()
+        assert starts.read_text().split() == ["2"]
+        log = server.log_file.read_text()
+        assert "aborted before it was ready (boost::interprocess::lock_exception, attempt 1 of 2)" in log
+        assert log.count("# /") == 2  # each start's command line
+        with grpcclient.InferenceServerClient(server.grpc_url) as client:
+            assert client.is_model_ready("preprocess")
+
+
+@pytest.mark.parametrize("aborts, message, death, expected_starts", [
+    (launcher.START_ATTEMPTS + 1, LOCK, "kill -ABRT $$", launcher.START_ATTEMPTS),
+    (1, "std::bad_alloc", "kill -ABRT $$", 1),
+    (1, LOCK, "exit 1", 1),
+], ids=["keeps-aborting", "another-abort", "not-an-abort"])
+def test_other_exits_and_repeated_aborts_fail_the_start(repository, tmp_path, monkeypatch,
+                                                        aborts, message, death, expected_starts):
+    starts = aborting_server(tmp_path, monkeypatch, aborts, message, death)
+    repo = make_repository(tmp_path / "repo", repository, S.PREPROCESS)
+    with pytest.raises(LauncherError, match=r"exited with code -?\d+ before it was ready") as failure:
+        TritonServer(options(repo, tmp_path)).start()
+    assert message in str(failure.value)  # the log's tail
+    assert starts.read_text().split() == [str(expected_starts)]
 
 
 def test_a_port_in_use_fails_before_starting(server, repository, tmp_path):
