@@ -131,17 +131,32 @@ serve: gpu-host
 	$(SERVE) --profile $(SERVE_PROFILE)
 endif
 
-# TEST_WORKERS=2 runs the suite on two workers (pytest-xdist), each with its own session server,
-# in the units of work tests/conftest.py names: about 15 minutes in all here instead of 22, at a
-# peak of about 21 GiB (docs/operations.md#the-test-suite). The default stays one process: in one
-# of five two-worker runs a server start aborted in the python backend under that load (boost
-# lock_exception, r24.10), which one process has not shown.
-TEST_WORKERS ?= 0
-test: ## Lint, then the whole test suite (unit + live server) — what CI runs
-	@# side by side once the venv is made: the digits training (the longest), the backend
-	@# build, Model Analyzer's venv and the lint
-	$(MAKE) --no-print-directory -j3 lint models backend $(TUNE_STAMP)
+# The suite runs on two workers (pytest-xdist), each with its own session server, in the units of
+# work tests/conftest.py names, where two session servers fit: `-n auto` picks two with two CPUs
+# and 22 GiB of memory (about 21 GiB at the peak, docs/operations.md#the-test-suite), else one
+# process. TEST_WORKERS=0 or 2 says so instead.
+TEST_WORKERS ?= auto
+SETUP_FOR_TESTS = $(MAKE) --no-print-directory -j3 lint models backend $(TUNE_STAMP)
+UNIT_LOG := .triton/unit-tests.log
+test: $(STAMP) ## Lint, then the whole test suite (unit + live server) — what CI runs
+ifeq ($(strip $(PYTEST_ARGS)),)
+	@# Once the venv is made: the unit tests (a fake pb_utils, no server, no ONNX file; mostly
+	@# waiting, a fifth of a core) on two workers, beside the rest of the setup at a lower
+	@# priority (the digits training, the longest, the backend build, Model Analyzer's venv and
+	@# the lint, side by side); then every other test. Exits non-zero if either part failed.
+	@mkdir -p $(dir $(UNIT_LOG)); echo "unit tests: beside the setup, output in $(UNIT_LOG)"
+	@$(PY) -m pytest -n 2 tests/unit > $(UNIT_LOG) 2>&1 & units=$$!; \
+	trap 'kill $$units 2>/dev/null' EXIT INT TERM; \
+	nice -n 10 $(SETUP_FOR_TESTS) || exit 1; \
+	wait $$units; unit_status=$$?; trap - EXIT INT TERM; \
+	if [ $$unit_status -eq 0 ]; then tail -n 1 $(UNIT_LOG); else cat $(UNIT_LOG); fi; \
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup --ignore=tests/unit; status=$$?; \
+	[ $$unit_status -eq 0 ] || echo "the unit tests failed (above; $(UNIT_LOG))"; \
+	[ $$unit_status -eq 0 ] && [ $$status -eq 0 ]
+else
+	$(SETUP_FOR_TESTS)
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
+endif
 
 lint: $(STAMP) ## ruff over every Python file (rules in pyproject.toml); `make test` runs it first
 	$(PY) -m ruff check .

@@ -1,6 +1,6 @@
 #!/bin/sh
-# Run the suite as `make test` runs it (TEST_WORKERS workers, default 0: one process) N times (default 3)
-# while a busy loop occupies one core at normal priority:
+# Run the suite as `make test` runs it (TEST_WORKERS workers, default auto: tests/conftest.py)
+# N times (default 3) while a busy loop occupies one core at normal priority:
 # the check that the suite's timing promises hold on a busy 2-core host (docs/reliability.md,
 # "The on-time promise"). Meant to be started in the background, as CI wrappers do:
 #
@@ -28,7 +28,7 @@ failed=0
 i=1
 while [ "$i" -le "$runs" ]; do
     started=$(date +%s)
-    (cd "$here" && "$python" -m pytest -q -p no:cacheprovider -n "${TEST_WORKERS:-0}" \
+    (cd "$here" && "$python" -m pytest -q -p no:cacheprovider -n "${TEST_WORKERS:-auto}" \
         --dist loadgroup tests) > "$out/run-$i.log" 2>&1
     code=$?
     took=$(( $(date +%s) - started ))

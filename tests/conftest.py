@@ -43,6 +43,46 @@ UNIT_OWN_SERVERS = ("test_launcher.py", "test_recovery.py", "test_security.py", 
                     "test_head_of_line.py")
 
 
+# `-n auto`, what `make test` passes unless TEST_WORKERS says otherwise: two workers where two
+# session servers fit (two CPUs and WORKERS_MIN_MEMORY_GIB; 21.3 GiB measured at the peak,
+# docs/operations.md), else one process.
+WORKERS_MIN_MEMORY_GIB = 22
+_AUTO_WORKERS: list[str] = []  # what `-n auto` chose and why, for the report's header
+
+
+def host_memory_kib(meminfo: Path = Path("/proc/meminfo"),
+                    cgroup_limit: Path = Path("/sys/fs/cgroup/memory.max")) -> int:
+    """The memory this process may use: the host's, or its cgroup's limit if lower; 0 if
+    unknown."""
+    try:
+        total = next(int(line.split()[1]) for line in meminfo.read_text().splitlines()
+                     if line.startswith("MemTotal:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        return 0
+    try:
+        limit = cgroup_limit.read_text().strip()
+    except OSError:
+        return total
+    return min(total, int(limit) // 1024) if limit.isdigit() else total
+
+
+def auto_workers(cpus: int, memory_kib: int) -> int:
+    """Two workers with two CPUs and WORKERS_MIN_MEMORY_GIB of memory; else 0, one process."""
+    return 2 if cpus >= 2 and memory_kib >= WORKERS_MIN_MEMORY_GIB * 2**20 else 0
+
+
+def pytest_xdist_auto_num_workers(config):
+    cpus, memory = len(os.sched_getaffinity(0)), host_memory_kib()
+    workers = auto_workers(cpus, memory)
+    _AUTO_WORKERS.append(f"-n auto: {workers or 'no'} workers ({cpus} CPUs, "
+                         f"{memory / 2**20:.1f} GiB; two need {WORKERS_MIN_MEMORY_GIB})")
+    return workers
+
+
+def pytest_report_header(config):
+    return _AUTO_WORKERS[:1]
+
+
 def _unit(path: str) -> str | None:
     """The unit of work of the test file at ``path`` (a node id's or an absolute one), if any."""
     if Path(path).parent.name != "live":

@@ -5,6 +5,15 @@ from __future__ import annotations
 import pytest
 
 from tests import helpers
+from tests.conftest import MODEL_REPOSITORY
+
+
+@pytest.fixture(scope="session")
+def repository():
+    """The project's model repository as committed: the unit tests read its configs and
+    ``model.py`` files, never its ONNX files, so they need no export (`make test` runs them while
+    the models are still being made)."""
+    return MODEL_REPOSITORY
 
 
 @pytest.fixture(params=helpers.PROFILES)

@@ -1,0 +1,39 @@
+"""How many workers `make test` (`-n auto`) runs the suite on: two only where two session
+servers fit."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import WORKERS_MIN_MEMORY_GIB, auto_workers, host_memory_kib
+
+GIB = 2**20  # KiB
+
+
+@pytest.mark.parametrize("cpus, memory_gib, workers", [
+    (2, 24, 2), (8, 64, 2), (2, WORKERS_MIN_MEMORY_GIB, 2),
+    (2, WORKERS_MIN_MEMORY_GIB - 0.5, 0), (1, 64, 0), (2, 0, 0),
+])
+def test_two_workers_only_with_two_cpus_and_the_memory_for_two_session_servers(
+        cpus, memory_gib, workers):
+    assert auto_workers(cpus, int(memory_gib * GIB)) == workers
+
+
+def meminfo(tmp_path, total_kib: int):
+    path = tmp_path / "meminfo"
+    path.write_text(f"MemTotal:       {total_kib} kB\nMemFree:        1000 kB\n")
+    return path
+
+
+@pytest.mark.parametrize("limit, expected_gib", [
+    (None, 24), ("max\n", 24), (f"{16 * 2**30}\n", 16), (f"{32 * 2**30}\n", 24),
+], ids=["no-cgroup", "unlimited", "cgroup-below", "cgroup-above"])
+def test_the_memory_is_the_hosts_or_a_lower_cgroup_limit(tmp_path, limit, expected_gib):
+    cgroup = tmp_path / "memory.max"
+    if limit is not None:
+        cgroup.write_text(limit)
+    assert host_memory_kib(meminfo(tmp_path, 24 * GIB), cgroup) == expected_gib * GIB
+
+
+def test_an_unreadable_meminfo_counts_as_no_memory(tmp_path):
+    assert host_memory_kib(tmp_path / "missing", tmp_path / "memory.max") == 0
