@@ -134,6 +134,15 @@ def allowed(call: str, expected: set[str], request: Request, mates: list[Request
     return codes
 
 
+def late_codes(request: Request, sent: dict[int, float]) -> set[str]:
+    """UNAVAILABLE for a request with a deadline answered after it: a host too busy to finish
+    its work in time ('early' has 100 ms for 10 rows; a loaded CI host once took longer), which
+    the runtime must then answer so. Empty otherwise."""
+    if request._timeout and request.sender.answered_at - sent[id(request)] >= request._timeout / 1e6:
+        return {"UNAVAILABLE"}
+    return set()
+
+
 def lost_ok(call: str, how: str, expected: set[str]) -> bool:
     """Whether r24.10 leaves no way to answer this request (see the module docstring)."""
     if call == "send":
@@ -218,8 +227,9 @@ def check_burst(pb, orch, call: str, how: str) -> None:
             continue
         (response,) = request.answers
         code = code_of(response)
-        assert code in allowed(call, expected, request, mates[id(request)]), (request._id, code)
         deadline = (request._timeout / 1e6) or DEFAULT_DEADLINE
+        codes = allowed(call, expected, request, mates[id(request)])
+        assert code in codes | late_codes(request, sent), (request._id, code)
         assert request.sender.answered_at - sent[id(request)] < deadline + SLACK, request._id
         if code == "INTERNAL":
             assert "injected" not in response.error().message()
@@ -243,11 +253,12 @@ def test_the_burst_without_a_fault_meets_every_expectation_on_both_answer_paths(
     orch.run = with_a_bug(orch.run)
     burst = Burst()
     try:
-        burst.send(pb, orch)
+        sent = burst.send(pb, orch)
     finally:
         pb.finalize(orch)
     for request in burst.requests:
-        assert {code_of(request.answer)} == burst.expected[id(request)], request._id
+        expected = burst.expected[id(request)]
+        assert code_of(request.answer) in expected | late_codes(request, sent), request._id
     # Sent through their senders: these three at least (each decided while its batch-mates run;
     # others too, as their groups end apart: an answer leaves when it is ready).
     sent_early = {request._id for request in burst.requests if request.sender.sent}
