@@ -140,17 +140,17 @@ SETUP_FOR_TESTS = $(MAKE) --no-print-directory -j3 lint models backend $(TUNE_ST
 UNIT_LOG := .triton/unit-tests.log
 test: $(STAMP) ## Lint, then the whole test suite (unit + live server) — what CI runs
 ifeq ($(strip $(PYTEST_ARGS)),)
-	@# The setup side by side: the digits training (the longest), the backend build, Model
-	@# Analyzer's venv and the lint. Then the unit tests (a fake pb_utils, no server; mostly
-	@# waiting, a fifth of a core) in a process of their own, beside the other tests on
-	@# TEST_WORKERS workers. Exits non-zero if either part failed.
-	$(SETUP_FOR_TESTS)
-	@mkdir -p $(dir $(UNIT_LOG)); echo "unit tests: beside the others, output in $(UNIT_LOG)"
-	@$(PY) -m pytest -p no:cacheprovider tests/unit > $(UNIT_LOG) 2>&1 & units=$$!; \
+	@# Once the venv is made, side by side: the setup (the digits training, the longest, the
+	@# backend build, Model Analyzer's venv and the lint) and the unit tests (a fake pb_utils,
+	@# no server, no ONNX file; mostly waiting) on two workers of their own. Then every other
+	@# test on TEST_WORKERS workers. Exits non-zero if either part failed.
+	@mkdir -p $(dir $(UNIT_LOG)); echo "unit tests: beside the setup, output in $(UNIT_LOG)"
+	@$(PY) -m pytest -p no:cacheprovider -n 2 tests/unit > $(UNIT_LOG) 2>&1 & units=$$!; \
 	trap 'kill $$units 2>/dev/null' INT TERM; \
-	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup --ignore=tests/unit; status=$$?; \
+	$(SETUP_FOR_TESTS) || { kill $$units 2>/dev/null; exit 1; }; \
 	wait $$units; unit_status=$$?; \
 	if [ $$unit_status -eq 0 ]; then tail -n 1 $(UNIT_LOG); else cat $(UNIT_LOG); fi; \
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup --ignore=tests/unit; status=$$?; \
 	[ $$unit_status -eq 0 ] || echo "the unit tests failed (above; $(UNIT_LOG))"; \
 	[ $$unit_status -eq 0 ] && [ $$status -eq 0 ]
 else
