@@ -163,9 +163,15 @@ def test_training_is_deterministic(tmp_path):
     assert not list(tmp_path.iterdir())  # a partial training is never kept
 
 
-def test_the_digits_models_export_byte_identical(tmp_path):
-    from modelgen import export
+def test_the_digits_models_export_byte_identical(tmp_path, monkeypatch):
+    """Two exports of the same networks: the same bytes. The networks are the seeded, untrained
+    ones, not the cached trained ones: `make test` runs the unit tests while the setup is still
+    training digits_large, which this test would otherwise train a second time."""
+    from modelgen import digits, export
 
+    real = digits.build
+    monkeypatch.setattr(digits, "build", lambda name, cache=None, steps=None:
+                        real(name, cache=tmp_path / "cache", steps=0))
     digests = {}
     for attempt in ("first", "second"):
         for model in (S.DIGITS_SMALL, S.DIGITS_LARGE):
