@@ -34,6 +34,7 @@ import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
 from bls_models import spec as S
+from bls_models.triton_runtime import SHUTDOWN_DRAIN_SECONDS
 from reliability.accounting import TRITON_QUEUE_TIMEOUT
 from tests.helpers import (
     HARD_SLACK,
@@ -217,4 +218,7 @@ def test_a_pipeline_with_bugs_answers_internal_on_time_and_stops_at_once(reposit
         started = time.monotonic()
         server.stop()
         stopping = time.monotonic() - started
-    assert stopping < 5.0, f"the server took {stopping:.1f} s to stop after the bugs"
+    # A clean stop takes about 4 s here (5.1 s once on a loaded host); a request or thread the
+    # bugs left stuck would hold finalize for its whole drain (SHUTDOWN_DRAIN_SECONDS, 10 s).
+    assert stopping < SHUTDOWN_DRAIN_SECONDS - 2, \
+        f"the server took {stopping:.1f} s to stop after the bugs"
