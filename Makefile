@@ -132,9 +132,9 @@ serve: gpu-host
 endif
 
 # The suite runs on two workers (pytest-xdist), each with its own session server, in the units of
-# work tests/conftest.py names, where two session servers fit: `-n auto` picks two with two CPUs
-# and 22 GiB of memory (about 21 GiB at the peak, docs/operations.md#the-test-suite), else one
-# process. TEST_WORKERS=0 or 2 says so instead.
+# work tests/conftest.py names, where two session servers fit and two cores are free: `-n auto`
+# picks two with two CPUs, 22 GiB of memory (about 21 GiB at the peak) and 1.5 cores idle, else
+# one process (docs/operations.md#the-test-suite). TEST_WORKERS=0 or 2 says so instead.
 TEST_WORKERS ?= auto
 SETUP_FOR_TESTS = $(MAKE) --no-print-directory -j3 lint models backend $(TUNE_STAMP)
 UNIT_LOG := .triton/unit-tests.log

@@ -5,7 +5,8 @@ shared libraries, numpy < 2), assembles a backend directory (the wheel's python 
 stub for the server's Python, and Triton's C++ onnxruntime backend as built by
 ``tritonlocal.backend_build``), starts the server bound to
 127.0.0.1, waits for ``/v2/health/ready`` and stops it with SIGINT, a grace period, then SIGKILL
-for its whole process group — the server and every python-backend stub it started. The server
+for its whole process group — the server and every python-backend stub it started. A server
+that dies before ready of r24.10's transient IPC-lock abort is started once more. The server
 is started with ``PR_SET_PDEATHSIG`` so it dies when the launcher does; its stubs normally exit
 when the server is gone, and a launcher start kills any that did not (``kill_orphaned_stubs``)
 and removes the shared-memory regions of dead launchers.
@@ -52,10 +53,9 @@ CREDENTIAL_FILE = "admin.header"  # a generated credential's file, in the run di
 _PR_SET_PDEATHSIG = 1
 # Aborts of r24.10 at start that a second start does not repeat: the python backend's IPC lock
 # throws while many stubs start on a loaded host (std::terminate, SIGABRT, 0.7 s into loading
-# here; the same abort is reported upstream at start, triton-inference-server/
-# tensorrtllm_backend#354, and under load, server#8882). A server that dies
-# this way before ready is started once more (START_ATTEMPTS in all); any other exit fails the
-# start at once.
+# here; reported upstream at start, triton-inference-server/tensorrtllm_backend#354, and under
+# load, server#8882). A server that dies this way before ready is started once more
+# (START_ATTEMPTS in all); any other exit fails the start at once.
 TRANSIENT_START_ABORTS = ("boost::interprocess::lock_exception",)
 START_ATTEMPTS = 2
 # PR_SET_PDEATHSIG fires when the *thread* that forked the child exits, not the process. Servers
