@@ -137,6 +137,7 @@ endif
 # one process (docs/operations.md#the-test-suite). TEST_WORKERS=0 or 2 says so instead.
 TEST_WORKERS ?= auto
 SETUP_FOR_TESTS = $(MAKE) --no-print-directory -j3 lint models backend $(TUNE_STAMP)
+PYTEST_WORKERS = $(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup
 UNIT_LOG := .triton/unit-tests.log
 test: $(STAMP) ## Lint, then the whole test suite (unit + live server) — what CI runs
 ifeq ($(strip $(PYTEST_ARGS)),)
@@ -150,12 +151,12 @@ ifeq ($(strip $(PYTEST_ARGS)),)
 	$(SETUP_FOR_TESTS) || { kill $$units 2>/dev/null; exit 1; }; \
 	wait $$units; unit_status=$$?; \
 	if [ $$unit_status -eq 0 ]; then tail -n 1 $(UNIT_LOG); else cat $(UNIT_LOG); fi; \
-	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup --ignore=tests/unit; status=$$?; \
+	$(PYTEST_WORKERS) --ignore=tests/unit; status=$$?; \
 	[ $$unit_status -eq 0 ] || echo "the unit tests failed (above; $(UNIT_LOG))"; \
 	[ $$unit_status -eq 0 ] && [ $$status -eq 0 ]
 else
 	$(SETUP_FOR_TESTS)
-	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
+	$(PYTEST_WORKERS) $(PYTEST_ARGS)
 endif
 
 lint: $(STAMP) ## ruff over every Python file (rules in pyproject.toml); `make test` runs it first

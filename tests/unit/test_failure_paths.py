@@ -367,9 +367,7 @@ def test_no_container_of_the_runtime_grows_with_traffic(made):
         # The late requests' classifiers (60 ms, past their 30 ms deadline) return after their
         # answers, and on a loaded host a slow batch's answers are owed past execute: wait until
         # nothing is out or owed (a fixed 0.1 s was too short on a loaded CI host).
-        give_up = time.monotonic() + 5.0
-        while (orch.out or orch.inflight or orch.owed) and time.monotonic() < give_up:
-            time.sleep(0.01)
+        eventually(lambda: not (orch.out or orch.inflight or orch.owed))
         time.sleep(0.1)
 
     traffic(40)
