@@ -366,7 +366,8 @@ def test_no_container_of_the_runtime_grows_with_traffic(made):
             pb.execute(orch, batch)
         # The late requests' classifiers (60 ms, past their 30 ms deadline) return after their
         # answers, and on a loaded host a slow batch's answers are owed past execute: wait until
-        # nothing is out or owed (a fixed 0.1 s was too short on a loaded CI host).
+        # nothing is out or owed (a fixed 0.1 s alone was too short on a loaded CI host), then
+        # 0.1 s for the threads that cleared them to return to the pool.
         eventually(lambda: not (orch.out or orch.inflight or orch.owed))
         time.sleep(0.1)
 
